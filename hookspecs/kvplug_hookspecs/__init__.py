@@ -1,0 +1,71 @@
+"""kvplug's plugin contract: markers, hookspecs, parameter models, Protocols, registrations."""
+
+from __future__ import annotations
+
+from . import hookspecs
+from .markers import PROJECT_NAME, hookimpl, hookspec
+from .models import (
+    TORCH_DTYPES,
+    CacheCleared,
+    ComponentSelection,
+    EvictParams,
+    EvictResult,
+    FrozenModel,
+    KVCacheConfig,
+    NoOptions,
+    PoolGeometry,
+    PrefixRemoved,
+    PrefixStored,
+)
+from .policy_base import KeyedEvictionPolicy
+from .protocols import (
+    CacheEvents,
+    CacheKey,
+    EvictionCandidate,
+    EvictionPolicy,
+    MatchResult,
+    PrefixCache,
+    PrefixCacheContext,
+    SWATokenAllocator,
+    TokenAllocator,
+)
+from .registration import (
+    AllocatorRegistration,
+    ComponentRegistration,
+    EvictionPolicyRegistration,
+    PrefixCacheRegistration,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PROJECT_NAME",
+    "TORCH_DTYPES",
+    "AllocatorRegistration",
+    "CacheCleared",
+    "CacheEvents",
+    "CacheKey",
+    "ComponentRegistration",
+    "ComponentSelection",
+    "EvictParams",
+    "EvictResult",
+    "EvictionCandidate",
+    "EvictionPolicy",
+    "EvictionPolicyRegistration",
+    "FrozenModel",
+    "KVCacheConfig",
+    "KeyedEvictionPolicy",
+    "MatchResult",
+    "NoOptions",
+    "PoolGeometry",
+    "PrefixCache",
+    "PrefixCacheContext",
+    "PrefixCacheRegistration",
+    "PrefixRemoved",
+    "PrefixStored",
+    "SWATokenAllocator",
+    "TokenAllocator",
+    "hookimpl",
+    "hookspec",
+    "hookspecs",
+]

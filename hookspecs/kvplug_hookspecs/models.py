@@ -1,0 +1,172 @@
+"""Pydantic models for every parameter that crosses the plugin boundary.
+
+All models are frozen and forbid unknown fields: a bad value raises ``pydantic.ValidationError``
+naming the field; nothing is silently clamped or dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "CacheCleared",
+    "ComponentSelection",
+    "EvictParams",
+    "EvictResult",
+    "FrozenModel",
+    "KVCacheConfig",
+    "NoOptions",
+    "PoolGeometry",
+    "PrefixRemoved",
+    "PrefixStored",
+    "TORCH_DTYPES",
+]
+
+NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
+PositiveInt = Annotated[int, Field(gt=0, strict=True)]
+
+
+class FrozenModel(BaseModel):
+    """Base of every boundary model: immutable, unknown fields rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class NoOptions(FrozenModel):
+    """Options model of a component that takes no options."""
+
+
+class EvictParams(FrozenModel):
+    """How many tokens a cache must free, per pool.
+
+    ``num_tokens`` counts full-attention slots, ``swa_num_tokens`` sliding-window slots and
+    ``mamba_num`` state slots of hybrid models. An allocator's ``shortfall()`` builds this from
+    what a request needs minus what is free: it is the shortfall, never the request size.
+    """
+
+    num_tokens: NonNegativeInt = 0
+    swa_num_tokens: NonNegativeInt = 0
+    mamba_num: NonNegativeInt = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing needs freeing in any pool."""
+        return self.num_tokens == 0 and self.swa_num_tokens == 0 and self.mamba_num == 0
+
+
+class EvictResult(FrozenModel):
+    """What an eviction actually freed, per pool (the fields of ``EvictParams``)."""
+
+    num_tokens: NonNegativeInt = 0
+    swa_num_tokens: NonNegativeInt = 0
+    mamba_num: NonNegativeInt = 0
+
+
+TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+"""dtype names a KV pool accepts (the ``torch`` attribute names)."""
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?)$")
+
+
+class PoolGeometry(FrozenModel):
+    """Shape of the KV pool: how many token slots, how they are paged, and the tensor layout.
+
+    ``capacity_tokens`` counts usable slots; pools add one reserved padding page on top, as
+    SGLang does. ``device="auto"`` means CUDA when torch sees one, else the CPU.
+    """
+
+    capacity_tokens: PositiveInt = 65536
+    page_size: PositiveInt = 1
+    num_layers: PositiveInt = 1
+    kv_heads: PositiveInt = 1
+    head_dim: PositiveInt = 64
+    dtype: Literal[TORCH_DTYPES] = "float16"  # type: ignore[valid-type]
+    device: str = "auto"
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not _DEVICE_RE.match(value):
+            raise ValueError(
+                f"unknown device {value!r}; expected 'auto', 'cpu', 'cuda', 'cuda:N', 'mps' or 'xpu'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _page_divides_capacity(self) -> PoolGeometry:
+        if self.capacity_tokens % self.page_size:
+            raise ValueError(
+                f"capacity_tokens={self.capacity_tokens} is not a multiple of "
+                f"page_size={self.page_size}"
+            )
+        return self
+
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
+
+
+class ComponentSelection(FrozenModel):
+    """One component chosen by name; ``options`` are validated later by that plugin's own model.
+
+    A bare string is accepted as shorthand: ``"lru"`` means ``{"name": "lru"}``.
+    """
+
+    name: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"name": value}
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _normalise_name(cls, value: str) -> str:
+        name = value.strip().lower()
+        if not _NAME_RE.match(name):
+            raise ValueError(f"invalid component name {value!r}")
+        return name
+
+
+class KVCacheConfig(FrozenModel):
+    """The engine's KV-cache configuration: which plugins to use, and the pool geometry.
+
+    Structure is validated here; each ``options`` dict is validated by the selected plugin's
+    options model when the registry resolves the config (``kvplug.build`` or
+    ``kvplug config validate``).
+    """
+
+    allocator: ComponentSelection = ComponentSelection(name="standard")
+    prefix_cache: ComponentSelection = ComponentSelection(name="radix")
+    eviction_policy: ComponentSelection = ComponentSelection(name="lru")
+    pool: PoolGeometry = PoolGeometry()
+
+
+class PrefixStored(FrozenModel):
+    """A prefix (or its new tail) became cached: ``num_tokens`` newly cached tokens."""
+
+    cache: str
+    num_tokens: NonNegativeInt
+    block_hashes: tuple[int, ...] = ()
+    extra_key: str | None = None
+
+
+class PrefixRemoved(FrozenModel):
+    """Cached tokens were removed, because of eviction or of a window-side (SWA) eviction."""
+
+    cache: str
+    num_tokens: NonNegativeInt
+    block_hashes: tuple[int, ...] = ()
+    reason: Literal["evicted", "swa_evicted"] = "evicted"
+
+
+class CacheCleared(FrozenModel):
+    """The whole cache was reset; ``num_tokens`` cached tokens were dropped."""
+
+    cache: str
+    num_tokens: NonNegativeInt

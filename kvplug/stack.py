@@ -1,0 +1,84 @@
+"""``kvplug.build``: resolve a config's names once and wire pool → allocator → policy → cache.
+
+After ``build`` the engine holds plain objects and calls plain methods; pluggy is not consulted
+again (observer events go through a sink resolved here, or nowhere when nobody observes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvplug_hookspecs import (
+    EvictionPolicy,
+    EvictResult,
+    KVCacheConfig,
+    PrefixCache,
+    PrefixCacheContext,
+    TokenAllocator,
+)
+
+if TYPE_CHECKING:
+    from .registry import PluginRegistry
+
+__all__ = ["KVCacheStack", "build"]
+
+
+@dataclass(frozen=True)
+class KVCacheStack:
+    """What ``kvplug.build`` returns: the resolved config and the wired components."""
+
+    config: KVCacheConfig
+    allocator: TokenAllocator
+    prefix_cache: PrefixCache
+    new_policy: Callable[[], EvictionPolicy]
+
+    @property
+    def pool(self) -> Any:
+        """The allocator's KV pool (device tensors)."""
+        return self.allocator.pool
+
+    def evict_for(self, num_tokens: int) -> EvictResult | None:
+        """Evict exactly the shortfall for a request of ``num_tokens`` slots."""
+        from .eviction import evict_from_tree_cache
+
+        return evict_from_tree_cache(self.prefix_cache, num_tokens)
+
+
+def build(
+    config: KVCacheConfig | dict[str, Any] | None = None,
+    *,
+    registry: PluginRegistry | None = None,
+) -> KVCacheStack:
+    """Build the KV-cache stack a config selects.
+
+    ``config`` may be a :class:`KVCacheConfig`, a plain dict, or ``None`` for the defaults.
+    ``registry`` defaults to the process-wide one (built-ins plus entry-point plugins).
+    Unknown names raise :class:`kvplug.UnknownComponentError` listing the valid ones; bad options
+    raise ``pydantic.ValidationError`` from the plugin's own options model. Nothing is allocated
+    before every name and option has been validated.
+    """
+    from .config import load_config
+    from .registry import get_registry
+
+    if not isinstance(config, KVCacheConfig):
+        config = load_config(config or {})
+    registry = registry or get_registry()
+    resolved = registry.resolve_config(config)
+
+    allocator = resolved.allocator.registration.factory(config.pool, resolved.allocator.options)
+    policy_registration = resolved.eviction_policy.registration
+    policy_options = resolved.eviction_policy.options
+
+    def new_policy() -> EvictionPolicy:
+        return policy_registration.factory(policy_options)
+
+    context = PrefixCacheContext(
+        allocator=allocator,
+        new_policy=new_policy,
+        page_size=config.pool.page_size,
+        events=registry.cache_events(),
+    )
+    cache = resolved.prefix_cache.registration.factory(context, resolved.prefix_cache.options)
+    return KVCacheStack(config=config, allocator=allocator, prefix_cache=cache, new_policy=new_policy)

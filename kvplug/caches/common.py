@@ -1,0 +1,102 @@
+"""Pieces every prefix cache shares: key normalisation, counters, the logical clock, events.
+
+Kept small on purpose: each cache owns its own data structure, these are only the parts whose
+behaviour must be identical across caches (what a key is, what a counter counts).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvplug_hookspecs import CacheEvents, CacheKey, PrefixRemoved, PrefixStored
+
+__all__ = ["CacheStats", "CandidateStats", "as_cache_key", "emit_removed", "emit_stored"]
+
+
+def as_cache_key(key: CacheKey | Sequence[int]) -> CacheKey:
+    """Accept a ``CacheKey`` or a bare token sequence (namespace ``None``)."""
+    if isinstance(key, CacheKey):
+        return key
+    if isinstance(key, (str, bytes)) or not isinstance(key, Sequence):
+        raise TypeError(f"a cache key is a CacheKey or a sequence of token ids, got {type(key).__name__}")
+    return CacheKey(key)
+
+
+@dataclass
+class CacheStats:
+    """Counters every cache keeps; ``evict_from_tree_cache`` fills the shortfall pair."""
+
+    match_queries: int = 0
+    match_query_tokens: int = 0
+    hit_tokens: int = 0
+    inserted_tokens: int = 0
+    evicted_tokens: int = 0
+    swa_evicted_tokens: int = 0
+    evictions: int = 0
+    shortfall_requested_tokens: int = 0
+    shortfall_freed_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over queried tokens (0.0 before any query)."""
+        return self.hit_tokens / self.match_query_tokens if self.match_query_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counters and the hit rate, for reports and JSON."""
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, 0)
+
+
+_node_ids = itertools.count(1)
+
+
+class CandidateStats:
+    """The statistics an eviction policy reads (``EvictionCandidate``); cache nodes subclass it.
+
+    ``node_id`` is unique per process and breaks ranking ties deterministically. Times come from
+    the owning cache's logical clock so that replays are reproducible.
+    """
+
+    __slots__ = ("node_id", "last_access_time", "creation_time", "hit_count", "priority", "__weakref__")
+
+    def __init__(self, now: int, priority: int = 0) -> None:
+        self.node_id = next(_node_ids)
+        self.last_access_time = now
+        self.creation_time = now
+        self.hit_count = 0
+        self.priority = priority
+
+
+def emit_stored(
+    events: CacheEvents | None,
+    cache: str,
+    num_tokens: int,
+    block_hashes: tuple[int, ...] = (),
+    extra_key: str | None = None,
+) -> None:
+    """Report stored tokens when someone observes (``events`` is ``None`` otherwise)."""
+    if events is not None and num_tokens:
+        events.prefix_stored(
+            PrefixStored(cache=cache, num_tokens=num_tokens, block_hashes=block_hashes, extra_key=extra_key)
+        )
+
+
+def emit_removed(
+    events: CacheEvents | None,
+    cache: str,
+    num_tokens: int,
+    block_hashes: tuple[int, ...] = (),
+    reason: str = "evicted",
+) -> None:
+    """Report removed tokens when someone observes."""
+    if events is not None and num_tokens:
+        events.prefix_removed(
+            PrefixRemoved(cache=cache, num_tokens=num_tokens, block_hashes=block_hashes, reason=reason)
+        )

@@ -1,0 +1,97 @@
+"""kvplug: pluggable KV-cache memory for LLM inference engines.
+
+``kvplug`` re-exports the plugin contract (``from kvplug import hookimpl, EvictParams``) next to
+the runtime entry points: :func:`build`, :func:`load_config`, :func:`get_registry` and
+:func:`evict_from_tree_cache`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvplug_hookspecs import (
+    AllocatorRegistration,
+    CacheCleared,
+    CacheKey,
+    ComponentSelection,
+    EvictionCandidate,
+    EvictionPolicy,
+    EvictionPolicyRegistration,
+    EvictParams,
+    EvictResult,
+    KeyedEvictionPolicy,
+    KVCacheConfig,
+    MatchResult,
+    NoOptions,
+    PoolGeometry,
+    PrefixCache,
+    PrefixCacheContext,
+    PrefixCacheRegistration,
+    PrefixRemoved,
+    PrefixStored,
+    SWATokenAllocator,
+    TokenAllocator,
+    hookimpl,
+    hookspec,
+)
+
+from .config import ConfigError, load_config
+from .registry import (
+    DuplicateComponentError,
+    PluginError,
+    PluginRegistry,
+    UnknownComponentError,
+    get_registry,
+    reset_registry,
+)
+from .stack import KVCacheStack, build
+
+__version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def __getattr__(name: str):
+    if name == "evict_from_tree_cache":
+        from .eviction import evict_from_tree_cache
+
+        return evict_from_tree_cache
+    raise AttributeError(f"module 'kvplug' has no attribute {name!r}")
+
+
+__all__ = [
+    "AllocatorRegistration",
+    "CacheCleared",
+    "CacheKey",
+    "ComponentSelection",
+    "ConfigError",
+    "DuplicateComponentError",
+    "EvictParams",
+    "EvictResult",
+    "EvictionCandidate",
+    "EvictionPolicy",
+    "EvictionPolicyRegistration",
+    "KVCacheConfig",
+    "KVCacheStack",
+    "KeyedEvictionPolicy",
+    "MatchResult",
+    "NoOptions",
+    "PluginError",
+    "PluginRegistry",
+    "PoolGeometry",
+    "PrefixCache",
+    "PrefixCacheContext",
+    "PrefixCacheRegistration",
+    "PrefixRemoved",
+    "PrefixStored",
+    "SWATokenAllocator",
+    "TokenAllocator",
+    "UnknownComponentError",
+    "build",
+    "evict_from_tree_cache",
+    "get_registry",
+    "hookimpl",
+    "hookspec",
+    "load_config",
+    "reset_registry",
+]

@@ -1,0 +1,150 @@
+"""Loading a :class:`KVCacheConfig` from a dict, a TOML or JSON file, and ``KVPLUG_*`` variables.
+
+Precedence, lowest first: the model's defaults, the dict or file, the environment. The file's
+top level holds the config fields; in a ``pyproject.toml`` they live under ``[tool.kvplug]``.
+
+Environment variables:
+
+* ``KVPLUG_ALLOCATOR``, ``KVPLUG_PREFIX_CACHE``, ``KVPLUG_EVICTION_POLICY`` — a component name, or
+  a JSON object ``{"name": ..., "options": {...}}``;
+* ``KVPLUG_ALLOCATOR_OPTIONS`` (and ``_PREFIX_CACHE_``, ``_EVICTION_POLICY_``) — a JSON object
+  merged over that component's options;
+* ``KVPLUG_POOL_<FIELD>`` — one pool field, e.g. ``KVPLUG_POOL_CAPACITY_TOKENS=4096``,
+  ``KVPLUG_POOL_DEVICE=cpu`` (values are parsed as JSON when they parse, else kept as text).
+
+Only structure is validated here; each component's options are validated by its plugin's own
+model when the registry resolves the config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvplug_hookspecs import KVCacheConfig, PoolGeometry
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "config_from_env", "load_config", "read_config_file"]
+
+_SELECTIONS = ("allocator", "prefix_cache", "eviction_policy")
+
+
+class ConfigError(ValueError):
+    """A config file or variable that cannot be read (CLI exit code 2)."""
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a ``.toml`` or ``.json`` config file into a plain dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            if path.name == "pyproject.toml":
+                data = data.get("tool", {}).get("kvplug", {})
+        elif suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+        else:
+            raise ConfigError(f"config file {str(path)!r}: unsupported suffix {suffix!r}; use .toml or .json")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid {suffix[1:].upper()}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold an object at the top level")
+    return data
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The config fields set by ``KVPLUG_*`` variables, as a partial dict."""
+    env = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    for field in _SELECTIONS:
+        var = f"KVPLUG_{field.upper()}"
+        if var in env:
+            value = _parse_env_value(env[var])
+            if not isinstance(value, (str, dict)):
+                raise ConfigError(f"{var}={env[var]!r}: expected a name or a JSON object")
+            data[field] = value if isinstance(value, dict) else {"name": value}
+        options_var = f"{var}_OPTIONS"
+        if options_var in env:
+            options = _parse_env_value(env[options_var])
+            if not isinstance(options, dict):
+                raise ConfigError(f"{options_var}={env[options_var]!r}: expected a JSON object")
+            data.setdefault(field, {})["options"] = options
+    pool_fields = set(PoolGeometry.model_fields)
+    for var, raw in env.items():
+        if not var.startswith("KVPLUG_POOL_"):
+            continue
+        field = var.removeprefix("KVPLUG_POOL_").lower()
+        if field not in pool_fields:
+            raise ConfigError(
+                f"unknown variable {var}; pool fields are: "
+                + ", ".join(f"KVPLUG_POOL_{name.upper()}" for name in sorted(pool_fields))
+            )
+        value = _parse_env_value(raw)
+        data.setdefault("pool", {})[field] = raw if field in ("device", "dtype") else value
+    return data
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``override`` into a copy of ``base`` (a bare name replaces a selection)."""
+    merged = dict(base)
+    for key, value in override.items():
+        current = merged.get(key)
+        if key in _SELECTIONS and isinstance(current, str):
+            current = {"name": current}
+        if isinstance(current, dict) and isinstance(value, dict):
+            merged[key] = _merge(current, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    source: KVCacheConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    use_env: bool = True,
+) -> KVCacheConfig:
+    """Build a :class:`KVCacheConfig` from a dict, a file path or nothing, then the environment.
+
+    A selection set by the environment to a different name drops the file's options for it.
+    Raises :class:`ConfigError` for unreadable input and ``pydantic.ValidationError`` (naming
+    the field) for invalid values.
+    """
+    if isinstance(source, KVCacheConfig):
+        data: dict[str, Any] = source.model_dump()
+    elif source is None:
+        data = {}
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        data = read_config_file(source)
+    else:
+        raise TypeError(f"cannot load a config from {type(source).__name__}")
+    if use_env:
+        overrides = config_from_env(environ)
+        for field in _SELECTIONS:
+            new = overrides.get(field, {})
+            old = data.get(field)
+            old_name = old if isinstance(old, str) else (old or {}).get("name")
+            if "name" in new and new["name"] != old_name:
+                data.pop(field, None)  # a different component: the old options do not apply
+        data = _merge(data, overrides)
+    return KVCacheConfig.model_validate(data)

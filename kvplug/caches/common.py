@@ -11,9 +11,19 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from kvplug_hookspecs import CacheEvents, CacheKey, PrefixRemoved, PrefixStored
 
-__all__ = ["CacheStats", "CandidateStats", "as_cache_key", "emit_removed", "emit_stored"]
+__all__ = [
+    "CacheStats",
+    "CandidateStats",
+    "as_cache_key",
+    "as_token_ids",
+    "check_indices",
+    "emit_removed",
+    "emit_stored",
+    "same_device",
+]
 
 
 def as_cache_key(key: CacheKey | Sequence[int]) -> CacheKey:
@@ -23,6 +33,46 @@ def as_cache_key(key: CacheKey | Sequence[int]) -> CacheKey:
     if isinstance(key, (str, bytes)) or not isinstance(key, Sequence):
         raise TypeError(f"a cache key is a CacheKey or a sequence of token ids, got {type(key).__name__}")
     return CacheKey(key)
+
+
+def as_token_ids(token_ids: Any) -> tuple[int, ...]:
+    """A key's token ids as a tuple (hashable, sliceable, compared in C).
+
+    A tensor must be 1-D with an integer dtype. For other sequences the element type is only
+    spot-checked (first and last): scanning every token in Python would cost more than the match.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+            raise TypeError(
+                f"token ids given as a tensor must be 1-D integers, got shape "
+                f"{tuple(token_ids.shape)} dtype {token_ids.dtype}"
+            )
+        return tuple(token_ids.tolist())
+    ids = tuple(token_ids)
+    if ids and not (isinstance(ids[0], int) and isinstance(ids[-1], int)):
+        raise TypeError(f"token ids must be ints, got {type(ids[0]).__name__} / {type(ids[-1]).__name__}")
+    return ids
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Equal devices, where an unindexed device (``cuda``) matches any index of its type."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def check_indices(indices: Any, length: int, device: torch.device) -> torch.Tensor:
+    """Validate KV slot indices given with a key: a 1-D integer tensor of ``length`` slots on
+    ``device``. Returns them as int64 (no copy when they already are)."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor of slot ids, got {type(indices).__name__}")
+    if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype == torch.bool:
+        raise TypeError(
+            f"indices must be a 1-D integer tensor, got shape {tuple(indices.shape)} dtype {indices.dtype}"
+        )
+    if indices.numel() != length:
+        raise ValueError(f"indices has {indices.numel()} slots but the key has {length} tokens")
+    if not same_device(indices.device, device):
+        raise ValueError(f"indices are on {indices.device}, the allocator's pool is on {device}")
+    return indices.to(torch.int64)
 
 
 @dataclass

@@ -445,37 +445,40 @@ class PluginRegistry(pluggy.PluginManager):
     # --- observers ---------------------------------------------------------------------------
 
     def cache_events(self) -> _HookEvents | None:
-        """An event sink for caches, or ``None`` when no plugin implements an observer hook."""
-        callers = {
-            name: getattr(self.hook, name)
+        """An event sink for caches, or ``None`` when no plugin implements an observer hook.
+
+        Resolved once (at ``kvplug.build``): observers registered later do not see that cache.
+        """
+        impls = {
+            name: [impl.function for impl in reversed(getattr(self.hook, name).get_hookimpls())]
             for name in ("kvplug_prefix_stored", "kvplug_prefix_removed", "kvplug_cache_cleared")
         }
-        if not any(caller.get_hookimpls() for caller in callers.values()):
+        if not any(impls.values()):
             return None
-        return _HookEvents(**{name: c if c.get_hookimpls() else None for name, c in callers.items()})
+        return _HookEvents(
+            impls["kvplug_prefix_stored"], impls["kvplug_prefix_removed"], impls["kvplug_cache_cleared"]
+        )
 
 
 class _HookEvents:
-    """Forwards cache events to the observer hooks that have implementations.
+    """Forwards cache events to each observer hookimpl in turn.
 
-    An observer that raises is logged and ignored: a metrics plugin must not break the cache.
+    Each observer is called on its own: one that raises is logged and skipped, so a broken
+    metrics plugin neither breaks the cache nor hides the event from the other observers.
     """
 
     __slots__ = ("_stored", "_removed", "_cleared")
 
-    def __init__(self, kvplug_prefix_stored, kvplug_prefix_removed, kvplug_cache_cleared) -> None:
-        self._stored = kvplug_prefix_stored
-        self._removed = kvplug_prefix_removed
-        self._cleared = kvplug_cache_cleared
+    def __init__(self, stored: list, removed: list, cleared: list) -> None:
+        self._stored, self._removed, self._cleared = stored, removed, cleared
 
     @staticmethod
-    def _call(caller: pluggy.HookCaller | None, event: BaseModel) -> None:
-        if caller is None:
-            return
-        try:
-            caller(event=event)
-        except Exception:
-            log.exception("kvplug observer hook %s failed", caller.name)
+    def _call(functions: list, event: BaseModel) -> None:
+        for function in functions:
+            try:
+                function(event=event)
+            except Exception:
+                log.exception("kvplug observer hook %s failed", getattr(function, "__qualname__", function))
 
     def prefix_stored(self, event: PrefixStored) -> None:
         self._call(self._stored, event)

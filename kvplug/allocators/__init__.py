@@ -1,0 +1,19 @@
+"""Built-in token allocators: ``standard`` (slots), ``paged`` (whole pages), ``swa`` (full + window)."""
+
+from .base import BaseAllocator, FreeIdStack
+from .paged import PagedAllocator, PagedAllocatorOptions
+from .standard import AllocatorCheckOptions, StandardAllocator, StandardAllocatorOptions
+from .swa import SWAAllocator, SWAAllocatorOptions, default_swa_layer_ids
+
+__all__ = [
+    "AllocatorCheckOptions",
+    "BaseAllocator",
+    "FreeIdStack",
+    "PagedAllocator",
+    "PagedAllocatorOptions",
+    "SWAAllocator",
+    "SWAAllocatorOptions",
+    "StandardAllocator",
+    "StandardAllocatorOptions",
+    "default_swa_layer_ids",
+]

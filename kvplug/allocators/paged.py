@@ -1,0 +1,189 @@
+"""The ``paged`` allocator: whole pages of ``page_size`` slots, SGLang's PagedTokenToKVPoolAllocator.
+
+Page ``p`` holds slots ``p * page_size .. p * page_size + page_size - 1``; page 0 is the padding
+page. A request's tokens fill its pages in order, so its last page may be partial: extend and
+decode allocation continue that page (found from the request's last slot) before taking new
+ones. SGLang does this with Triton kernels (``alloc_extend_kernel``/``alloc_decode_kernel``);
+here the same layout comes from a handful of batched torch ops, no loop over requests or tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from kvplug_hookspecs import PoolGeometry
+
+from ..pools import MHAKVPool, check_index_tensor
+from .base import BaseAllocator, FreeIdStack, check_size
+from .standard import AllocatorCheckOptions
+
+__all__ = ["PagedAllocator", "PagedAllocatorOptions"]
+
+
+class PagedAllocatorOptions(AllocatorCheckOptions):
+    """Options of the ``paged`` allocator (the page size comes from the pool geometry)."""
+
+
+class PagedAllocator(BaseAllocator):
+    """Hands out whole pages; ``available_size()`` and ``shortfall`` count tokens.
+
+    ``free(indices)`` frees every page that one of the given slots lies in (each page once).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        *,
+        device: str | torch.device = "auto",
+        pool: Any = None,
+        debug_checks: bool = False,
+        check_bounds: bool = True,
+    ) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        super().__init__(
+            size, page_size, device=device, pool=pool, debug_checks=debug_checks, check_bounds=check_bounds
+        )
+        if size % page_size:
+            raise ValueError(f"size={size} is not a multiple of page_size={page_size}")
+        self.num_pages = size // page_size
+        self._stack = FreeIdStack(1, self.num_pages, self.device, track=self.debug_checks, unit="page")
+        self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+
+    @classmethod
+    def from_geometry(
+        cls, geometry: PoolGeometry, options: PagedAllocatorOptions | None = None
+    ) -> PagedAllocator:
+        """Build the MHA pool a geometry describes and a paged allocator over it."""
+        options = options or PagedAllocatorOptions()
+        pool = MHAKVPool.from_geometry(geometry)
+        return cls(
+            geometry.capacity_tokens,
+            geometry.page_size,
+            device=pool.device,
+            pool=pool,
+            **options.model_dump(),
+        )
+
+    def available_size(self) -> int:
+        return len(self._stack) * self.page_size
+
+    def available_pages(self) -> int:
+        return len(self._stack)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """The slots of ``need_size // page_size`` whole pages, or ``None`` when short."""
+        n = check_size(need_size, "need_size")
+        if n % self.page_size:
+            raise ValueError(f"need_size={n} is not a multiple of page_size={self.page_size}")
+        num_pages = n // self.page_size
+        if num_pages > len(self._stack):
+            return None
+        pages = self._stack.pop(num_pages)
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> torch.Tensor | None:
+        """Slots for tokens ``prefix_lens[i]..seq_lens[i]-1`` of each request, concatenated.
+
+        ``last_loc[i]`` is the slot of request ``i``'s last prefix token (anything, e.g. -1, when
+        its prefix is empty or ends on a page boundary). Each request first fills the rest of
+        that page, then takes new pages. Returns ``None`` (taking nothing) when pages are short.
+        One host sync reads the batch totals.
+        """
+        ps = self.page_size
+        pre, seq, last = self._batch(prefix_lens=prefix_lens, seq_lens=seq_lens, last_loc=last_loc)
+        total = check_size(extend_num_tokens, "extend_num_tokens")
+        ext = seq - pre
+        pages_before = (pre + ps - 1) // ps
+        new_pages = (seq + ps - 1) // ps - pages_before
+        # tokens that continue the prefix's last partial page
+        in_last_page = torch.minimum(seq, pages_before * ps) - pre
+        misplaced = (pre % ps != 0) & ((last + 1) % ps != pre % ps)
+        if pre.numel() == 0:
+            stats = [0, 0, 0, 0]
+        else:
+            stats = torch.stack([ext.sum(), new_pages.sum(), ext.min(), misplaced.sum()]).tolist()
+        ext_sum, num_new_pages, ext_min, num_misplaced = stats
+        if ext_min < 0:
+            raise ValueError("seq_lens must be >= prefix_lens for every request")
+        if ext_sum != total:
+            raise ValueError(f"extend_num_tokens={total} but sum(seq_lens - prefix_lens)={ext_sum}")
+        if num_misplaced:
+            raise ValueError(
+                f"{num_misplaced} request(s) have a last_loc whose offset in its page does not "
+                "match prefix_len - 1"
+            )
+        if num_new_pages > len(self._stack):
+            return None
+        pages = self._stack.pop(num_new_pages)
+        if total == 0:
+            return pages  # empty int64 tensor
+
+        req = torch.repeat_interleave(
+            torch.arange(pre.numel(), device=self.device), ext, output_size=total
+        )
+        # j: position of each new token within its request's extension
+        j = torch.arange(total, device=self.device) - (torch.cumsum(ext, 0) - ext)[req]
+        k = j - in_last_page[req]  # position among the tokens that go into new pages
+        out = last[req] + 1 + j
+        if num_new_pages:
+            first_page = (torch.cumsum(new_pages, 0) - new_pages)[req]
+            kk = k.clamp(min=0)
+            page = pages[(first_page + kk // ps).clamp(max=num_new_pages - 1)]
+            out = torch.where(k >= 0, page * ps + kk % ps, out)
+        return out
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
+        """One slot per request for its token ``seq_lens[i] - 1`` (the one being decoded).
+
+        The slot after ``last_loc[i]`` when that stays inside the page, else the first slot of a
+        new page. Returns ``None`` (taking nothing) when pages are short. One host sync.
+        """
+        ps = self.page_size
+        seq, last = self._batch(seq_lens=seq_lens, last_loc=last_loc)
+        pre = seq - 1
+        needs_page = pre % ps == 0
+        bad = (seq < 1) | (~needs_page & ((last + 1) % ps != pre % ps))
+        if seq.numel() == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        num_new_pages, num_bad = torch.stack([needs_page.sum(), bad.sum()]).tolist()
+        if num_bad:
+            raise ValueError(
+                f"{num_bad} request(s) have seq_lens < 1 or a last_loc whose offset in its page "
+                "does not match seq_len - 2"
+            )
+        if num_new_pages > len(self._stack):
+            return None
+        pages = self._stack.pop(num_new_pages)
+        if not num_new_pages:
+            return last + 1
+        rank = (torch.cumsum(needs_page, 0) - 1).clamp(min=0)
+        return torch.where(needs_page, pages[rank.clamp(max=num_new_pages - 1)] * ps, last + 1)
+
+    def _batch(self, **tensors: torch.Tensor) -> list[torch.Tensor]:
+        sizes = set()
+        for name, t in tensors.items():
+            check_index_tensor(t, self.device, name)
+            sizes.add(t.numel())
+        if len(sizes) > 1:
+            raise ValueError(
+                "batch tensors differ in length: "
+                + ", ".join(f"{n}={t.numel()}" for n, t in tensors.items())
+            )
+        return [t.to(torch.int64) for t in tensors.values()]
+
+    def _release(self, indices: torch.Tensor) -> None:
+        self._stack.push(torch.unique(indices // self.page_size))
+
+    def clear(self) -> None:
+        """Every page free again; an open free group is dropped."""
+        self._stack.reset()
+        self._free_group = None

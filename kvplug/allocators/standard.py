@@ -1,0 +1,86 @@
+"""The ``standard`` allocator: one KV slot per token (page size 1), SGLang's TokenToKVPoolAllocator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from kvplug_hookspecs import FrozenModel, PoolGeometry
+from pydantic import Field
+
+from ..pools import MHAKVPool
+from .base import BaseAllocator, FreeIdStack, check_size
+
+__all__ = ["AllocatorCheckOptions", "StandardAllocator", "StandardAllocatorOptions"]
+
+
+class AllocatorCheckOptions(FrozenModel):
+    """Safety checks every built-in allocator offers."""
+
+    debug_checks: bool = Field(
+        False, strict=True, description="track free slots on the device and reject double frees"
+    )
+    check_bounds: bool = Field(
+        True,
+        strict=True,
+        description="range-check freed indices (one host sync per free call; off for overlap schedulers)",
+    )
+
+
+class StandardAllocatorOptions(AllocatorCheckOptions):
+    """Options of the ``standard`` allocator."""
+
+
+class StandardAllocator(BaseAllocator):
+    """Hands out single slots ``1..size``; slot 0 is the padding slot and is never handed out.
+
+    ``alloc(n)`` returns a new int64 tensor of ``n`` distinct slots, or ``None`` when fewer than
+    ``n`` are free (nothing is taken then). ``pool`` may be any pool (or ``None``): the allocator
+    only manages indices, so it can run over pools an engine built itself.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        device: str | torch.device = "auto",
+        pool: Any = None,
+        debug_checks: bool = False,
+        check_bounds: bool = True,
+    ) -> None:
+        super().__init__(
+            size, 1, device=device, pool=pool, debug_checks=debug_checks, check_bounds=check_bounds
+        )
+        self._stack = FreeIdStack(1, size, self.device, track=self.debug_checks, unit="slot")
+
+    @classmethod
+    def from_geometry(
+        cls, geometry: PoolGeometry, options: StandardAllocatorOptions | None = None
+    ) -> StandardAllocator:
+        """Build the MHA pool a geometry describes and an allocator over it."""
+        options = options or StandardAllocatorOptions()
+        if geometry.page_size != 1:
+            raise ValueError(
+                f"the standard allocator hands out single slots (page_size 1), got "
+                f"page_size={geometry.page_size}; use the 'paged' allocator"
+            )
+        pool = MHAKVPool.from_geometry(geometry)
+        return cls(geometry.capacity_tokens, device=pool.device, pool=pool, **options.model_dump())
+
+    def available_size(self) -> int:
+        return len(self._stack)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size`` distinct free slots (int64, on ``device``), or ``None`` when short."""
+        n = check_size(need_size, "need_size")
+        if n > len(self._stack):
+            return None
+        return self._stack.pop(n)
+
+    def _release(self, indices: torch.Tensor) -> None:
+        self._stack.push(indices)
+
+    def clear(self) -> None:
+        """Every slot free again; an open free group is dropped."""
+        self._stack.reset()
+        self._free_group = None

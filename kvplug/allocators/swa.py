@@ -1,0 +1,188 @@
+"""The ``swa`` allocator: full-attention and sliding-window slots for hybrid models.
+
+Every token gets a slot in the full pool (its index is what the engine sees) and a slot in the
+smaller window pool; ``full_to_swa_index_mapping[full_slot]`` is the window slot, 0 when the
+token has none (slot 0 of the window pool is padding, so reads and writes through an unmapped
+entry land in padding). When tokens slide out of the window, ``free_swa`` returns only their
+window slots. Matches SGLang's SWATokenToKVPoolAllocator (page size 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from kvplug_hookspecs import EvictParams, PoolGeometry
+from pydantic import Field, field_validator
+
+from ..pools import HybridSWAKVPool
+from .base import BaseAllocator, check_size
+from .standard import AllocatorCheckOptions, StandardAllocator
+
+__all__ = ["SWAAllocator", "SWAAllocatorOptions", "default_swa_layer_ids"]
+
+
+def default_swa_layer_ids(num_layers: int, full_attention_interval: int) -> tuple[int, ...]:
+    """Layer ``i`` is full attention iff ``(i + 1) % interval == 0``, else sliding window.
+
+    Interval 2 is GPT-OSS's alternation (0 window, 1 full, ...); 6 is Gemma 3's 5 local : 1 global.
+    """
+    return tuple(i for i in range(num_layers) if (i + 1) % full_attention_interval)
+
+
+class SWAAllocatorOptions(AllocatorCheckOptions):
+    """Options of the ``swa`` allocator; the full pool's size is the geometry's capacity."""
+
+    swa_capacity_tokens: int = Field(strict=True, gt=0, description="slots of the window pool")
+    sliding_window_size: int = Field(strict=True, gt=0, description="attention window in tokens")
+    swa_layer_ids: tuple[int, ...] | None = Field(
+        None, description="sliding-window layers; default: every layer that is not full by full_attention_interval"
+    )
+    full_attention_interval: int = Field(
+        2, strict=True, gt=0, description="with swa_layer_ids unset: every Nth layer is full attention"
+    )
+
+    @field_validator("swa_layer_ids")
+    @classmethod
+    def _distinct_non_negative(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("swa_layer_ids is empty; use the 'standard' allocator for a model without window layers")
+        if any(i < 0 for i in value) or len(set(value)) != len(value):
+            raise ValueError(f"swa_layer_ids must be distinct non-negative layer ids, got {list(value)}")
+        return tuple(sorted(value))
+
+
+class SWAAllocator(BaseAllocator):
+    """A full-attention allocator and a window allocator with a full->window index map.
+
+    ``size`` is the full pool's capacity, ``size_swa`` the window pool's. ``alloc`` takes slots in
+    both or neither; ``available_size()`` is the smaller of the two free counts. ``free`` returns
+    both sides (the window side where still mapped); ``free_swa`` only the window side, always
+    immediately, even inside a free group.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        size_swa: int,
+        sliding_window_size: int,
+        *,
+        device: str | torch.device = "auto",
+        pool: Any = None,
+        debug_checks: bool = False,
+        check_bounds: bool = True,
+    ) -> None:
+        super().__init__(
+            size, 1, device=device, pool=pool, debug_checks=debug_checks, check_bounds=check_bounds
+        )
+        if isinstance(sliding_window_size, bool) or not isinstance(sliding_window_size, int) or sliding_window_size <= 0:
+            raise ValueError(f"sliding_window_size must be a positive int, got {sliding_window_size!r}")
+        checks = dict(device=self.device, debug_checks=debug_checks, check_bounds=check_bounds)
+        self.full_allocator = StandardAllocator(size, pool=getattr(pool, "full", None), **checks)
+        self.swa_allocator = StandardAllocator(size_swa, pool=getattr(pool, "swa", None), **checks)
+        self.size_swa = size_swa
+        self.sliding_window_size = sliding_window_size
+        self.full_to_swa_index_mapping = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
+
+    @classmethod
+    def from_geometry(cls, geometry: PoolGeometry, options: SWAAllocatorOptions) -> SWAAllocator:
+        """Build a hybrid pool (full + window) and the allocator over it."""
+        if geometry.page_size != 1:
+            raise ValueError(
+                f"the swa allocator supports page_size 1 only, got page_size={geometry.page_size}"
+            )
+        swa_ids = options.swa_layer_ids
+        if swa_ids is None:
+            swa_ids = default_swa_layer_ids(geometry.num_layers, options.full_attention_interval)
+        out_of_range = [i for i in swa_ids if i >= geometry.num_layers]
+        if out_of_range:
+            raise ValueError(
+                f"swa_layer_ids {out_of_range} out of range: the model has {geometry.num_layers} layer(s)"
+            )
+        full_ids = [i for i in range(geometry.num_layers) if i not in set(swa_ids)]
+        pool = HybridSWAKVPool(
+            geometry.capacity_tokens,
+            options.swa_capacity_tokens,
+            full_layer_ids=full_ids,
+            swa_layer_ids=swa_ids,
+            kv_heads=geometry.kv_heads,
+            head_dim=geometry.head_dim,
+            dtype=geometry.dtype,
+            device=geometry.device,
+        )
+        return cls(
+            geometry.capacity_tokens,
+            options.swa_capacity_tokens,
+            options.sliding_window_size,
+            device=pool.device,
+            pool=pool,
+            debug_checks=options.debug_checks,
+            check_bounds=options.check_bounds,
+        )
+
+    @property
+    def size_full(self) -> int:
+        return self.size
+
+    def full_available_size(self) -> int:
+        return self.full_allocator.available_size()
+
+    def swa_available_size(self) -> int:
+        return self.swa_allocator.available_size()
+
+    def available_size(self) -> int:
+        return min(self.full_available_size(), self.swa_available_size())
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size`` full slots, each mapped to a new window slot; ``None`` if either side is short."""
+        n = check_size(need_size, "need_size")
+        if n > self.full_available_size() or n > self.swa_available_size():
+            return None
+        full = self.full_allocator.alloc(n)
+        self.full_to_swa_index_mapping[full] = self.swa_allocator.alloc(n)
+        return full
+
+    def _release(self, indices: torch.Tensor) -> None:
+        swa = self.full_to_swa_index_mapping[indices]
+        mapped = swa[swa > 0]
+        self.full_allocator._release(indices)  # raises (changing nothing) on a debug double free
+        self.swa_allocator._release(mapped)
+        self.full_to_swa_index_mapping[indices] = 0
+
+    def free_swa(self, indices: torch.Tensor) -> None:
+        """Free only the window slots of these full slots (tokens that slid out of the window)."""
+        self._check_indices(indices)
+        if indices.numel() == 0:
+            return
+        swa = self.full_to_swa_index_mapping[indices]
+        self.swa_allocator._release(swa[swa > 0])
+        self.full_to_swa_index_mapping[indices] = 0
+
+    def translate_loc_from_full_to_swa(self, indices: torch.Tensor) -> torch.Tensor:
+        """Window slots of full slots (0, the window padding slot, where unmapped). One gather."""
+        return self.full_to_swa_index_mapping[indices]
+
+    def shortfall(self, num_tokens: int) -> EvictParams | None:
+        """Per-pool shortfall: ``(n - full_available, n - swa_available)`` clipped at 0."""
+        n = check_size(num_tokens, "num_tokens")
+        full = max(0, n - self.full_available_size())
+        swa = max(0, n - self.swa_available_size())
+        if full == 0 and swa == 0:
+            return None
+        return EvictParams(num_tokens=full, swa_num_tokens=swa)
+
+    def clear(self) -> None:
+        """Both pools free again, the map emptied; an open free group is dropped."""
+        self.full_allocator.clear()
+        self.swa_allocator.clear()
+        self.full_to_swa_index_mapping.zero_()
+        self._free_group = None
+
+    def __repr__(self) -> str:
+        return (
+            f"SWAAllocator(size={self.size}, size_swa={self.size_swa}, "
+            f"sliding_window_size={self.sliding_window_size}, full_available={self.full_available_size()}, "
+            f"swa_available={self.swa_available_size()}, device={self.device})"
+        )

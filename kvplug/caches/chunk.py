@@ -1,0 +1,129 @@
+"""``chunk``: the no-sharing cache (SGLang's ``ChunkCache``), for models or runs without reuse.
+
+Nothing is ever cached: ``match_prefix`` is always empty with ``last_node=None``, sizes are
+zero, ``evict`` frees nothing. ``insert`` follows the same ownership rule as ``radix``: the cache
+takes ``indices[:aligned]`` and, keeping nothing, frees them at once; ``indices[aligned:]`` stay
+the caller's. So an engine's "insert, then free the unaligned tail" path is the same for every
+cache. Insert only a *finished* request here: a running one would lose its slots (engines check
+``is_chunk_cache``, as SGLang's scheduler does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from kvplug_hookspecs import (
+    CacheCleared,
+    CacheEvents,
+    CacheKey,
+    EvictionPolicy,
+    EvictParams,
+    EvictResult,
+    MatchResult,
+    NoOptions,
+    PrefixCacheContext,
+    TokenAllocator,
+)
+
+from .common import CacheStats, as_cache_key, as_token_ids, check_indices
+
+__all__ = ["ChunkCache", "ChunkCacheOptions"]
+
+
+class ChunkCacheOptions(NoOptions):
+    """The ``chunk`` cache takes no options."""
+
+
+class ChunkCache:
+    """A prefix cache that shares nothing; ``is_chunk_cache`` is True."""
+
+    name = "chunk"
+    is_chunk_cache = True
+
+    def __init__(
+        self,
+        allocator: TokenAllocator,
+        new_policy: Callable[[], EvictionPolicy] | None = None,
+        *,
+        page_size: int | None = None,
+        events: CacheEvents | None = None,
+        options: ChunkCacheOptions | None = None,
+    ) -> None:
+        if options is not None and not isinstance(options, NoOptions):
+            raise TypeError(f"chunk options must be ChunkCacheOptions, got {type(options).__name__}")
+        if page_size is None:
+            page_size = allocator.page_size
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.device = torch.device(allocator.device)
+        self.events = events
+        self.options = options or ChunkCacheOptions()
+        self.stats = CacheStats()
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+
+    @classmethod
+    def from_context(cls, context: PrefixCacheContext, options: ChunkCacheOptions | None = None) -> ChunkCache:
+        """The registered factory (the policy factory is unused: nothing is ever evictable)."""
+        return cls(context.allocator, page_size=context.page_size, events=context.events, options=options)
+
+    def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
+        """Always the empty prefix."""
+        key = as_cache_key(key)
+        ids = as_token_ids(key.token_ids)
+        self.stats.match_queries += 1
+        self.stats.match_query_tokens += len(ids)
+        return MatchResult(device_indices=self._empty, last_node=None, prefix_len=0)
+
+    def insert(self, key: CacheKey | Sequence[int], indices: torch.Tensor, *, priority: int = 0) -> int:
+        """Free ``indices[:aligned]`` (the cache owns and drops them); return 0."""
+        key = as_cache_key(key)
+        ids = as_token_ids(key.token_ids)
+        indices = check_indices(indices, len(ids), self.device)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        aligned = len(ids) - len(ids) % self.page_size
+        if aligned:
+            self.allocator.free(indices[:aligned])
+        return 0
+
+    def _check_handle(self, node: Any) -> None:
+        if node is not None:
+            raise TypeError(f"a chunk cache's only handle is None (from match_prefix), got {node!r}")
+
+    def inc_lock_ref(self, node: None) -> int:
+        """Nothing to lock; returns 0."""
+        self._check_handle(node)
+        return 0
+
+    def dec_lock_ref(self, node: None) -> int:
+        """Nothing to unlock; returns 0."""
+        self._check_handle(node)
+        return 0
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Nothing is cached, so nothing is freed."""
+        if not isinstance(params, EvictParams):
+            raise TypeError(f"evict takes EvictParams, got {type(params).__name__}")
+        return EvictResult()
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return 0
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """No cached slots."""
+        return self._empty
+
+    def reset(self) -> None:
+        """Nothing to drop; observers still hear of the reset."""
+        if self.events is not None:
+            self.events.cache_cleared(CacheCleared(cache=self.name, num_tokens=0))

@@ -1,0 +1,429 @@
+"""``radix``: an SGLang-style radix tree mapping token-id prefixes to KV slot indices.
+
+Each edge holds a run of token ids and the int64 tensor of their KV slots. With ``page_size > 1``
+keys are truncated to whole pages and every node holds whole pages, so a page is never split
+between two nodes. A node's children are keyed by their first token (``page_size == 1``) or their
+first page (a tuple); children of the root are keyed by ``(extra_key, first)``, so two
+namespaces never share a node. A match that ends inside a node splits it.
+
+Engine sequence (SGLang's ``cache_finished_req`` / ``cache_unfinished_req`` in plain calls)::
+
+    m = cache.match_prefix(CacheKey(tokens, extra_key))   # m.device_indices: cached slots
+    cache.inc_lock_ref(m.last_node)                       # the prefix can no longer be evicted
+    evict_from_tree_cache(cache, len(tokens) - m.prefix_len)
+    new = allocator.alloc(len(tokens) - m.prefix_len)     # compute KV for the rest into `new`
+    indices = torch.cat([m.device_indices, new])
+    cache.insert(CacheKey(tokens, extra_key), indices)    # cache owns indices[:aligned] now
+    allocator.free(indices[len(tokens) // page_size * page_size:])  # the unaligned tail
+    cache.dec_lock_ref(m.last_node)
+
+A request that keeps running after ``insert`` (chunked prefill) matches again, locks the new
+``last_node``, unlocks the old one and uses the returned slots from then on.
+
+Eviction: the evictable set is the policy's candidate set, kept incrementally: a node joins it
+when it becomes an unlocked leaf and leaves it when locked, given a child, or freed. ``evict``
+pops leaves in policy order, so evicting k tokens from N leaves is O(k log N); a parent left as
+an unlocked leaf joins the set. With ``granularity="exact"`` (default) the last victim is cut:
+only its tail pages are freed and its head stays cached, so an eviction frees at least the
+request (when enough is evictable) and at most the request rounded up to ``page_size``.
+``granularity="leaf"`` frees whole leaves, as SGLang does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from kvplug_hookspecs import (
+    CacheCleared,
+    CacheEvents,
+    CacheKey,
+    EvictionPolicy,
+    EvictParams,
+    EvictResult,
+    FrozenModel,
+    MatchResult,
+    PrefixCacheContext,
+    TokenAllocator,
+)
+
+from ..policies import LRUPolicy
+from .common import (
+    CacheStats,
+    CandidateStats,
+    as_cache_key,
+    as_token_ids,
+    check_indices,
+    emit_removed,
+    emit_stored,
+)
+
+__all__ = ["RadixCache", "RadixCacheOptions", "RadixNode"]
+
+
+class RadixCacheOptions(FrozenModel):
+    """Options of the ``radix`` cache.
+
+    ``granularity``: ``exact`` cuts the last victim leaf so an eviction frees the request
+    rounded up to a page; ``leaf`` frees whole leaves (SGLang's behaviour, may free more).
+    """
+
+    granularity: Literal["exact", "leaf"] = "exact"
+
+
+class RadixNode(CandidateStats):
+    """One edge of the tree: ``key`` token ids, ``value`` their KV slots (int64, on device).
+
+    ``edge`` is this node's key in ``parent.children``; ``lock_ref`` counts requests using the
+    prefix that ends here or below. A freed node has ``parent is None``.
+    """
+
+    __slots__ = ("children", "parent", "edge", "key", "value", "num_tokens", "lock_ref")
+
+    def __init__(self, now: int, priority: int = 0) -> None:
+        super().__init__(now, priority)
+        self.children: dict[Any, RadixNode] = {}
+        self.parent: RadixNode | None = None
+        self.edge: Any = None
+        self.key: tuple[int, ...] = ()
+        self.value: torch.Tensor | None = None
+        self.num_tokens = 0
+        self.lock_ref = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixNode(id={self.node_id}, tokens={self.num_tokens}, lock_ref={self.lock_ref}, "
+            f"children={len(self.children)})"
+        )
+
+
+class RadixCache:
+    """Radix-tree prefix cache over an allocator (and pool) it need not have created.
+
+    **Ownership rule of** ``insert(key, indices)``: ``indices[i]`` is the slot holding token
+    ``key[i]`` and both have the same length. The cache stores ``key[:aligned]`` with
+    ``indices[:aligned]`` (``aligned`` = the length rounded down to ``page_size``) and owns those
+    slots from then on. For the part that was already cached, a passed slot that differs from the
+    cached one is a duplicate and the cache frees it; identical slots (those the request got from
+    ``match_prefix``) are kept. ``indices[aligned:]`` stay the caller's to free. ``insert``
+    returns the length that was already cached.
+
+    Handles (``MatchResult.last_node``) are valid while the prefix is cached; lock one with
+    ``inc_lock_ref`` before allocating, or an eviction may free it first.
+    """
+
+    name = "radix"
+    is_chunk_cache = False
+
+    def __init__(
+        self,
+        allocator: TokenAllocator,
+        new_policy: Callable[[], EvictionPolicy] | None = None,
+        *,
+        page_size: int | None = None,
+        events: CacheEvents | None = None,
+        options: RadixCacheOptions | None = None,
+    ) -> None:
+        if options is None:
+            options = RadixCacheOptions()
+        if not isinstance(options, RadixCacheOptions):
+            raise TypeError(f"radix options must be RadixCacheOptions, got {type(options).__name__}")
+        if page_size is None:
+            page_size = allocator.page_size
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if page_size % allocator.page_size:
+            raise ValueError(
+                f"page_size={page_size} is not a multiple of the allocator's page_size="
+                f"{allocator.page_size}: evicting part of an allocator page cannot free it"
+            )
+        policy = (new_policy or LRUPolicy)()
+        if not isinstance(policy, EvictionPolicy):
+            raise TypeError(f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.device = torch.device(allocator.device)
+        self.events = events
+        self.options = options
+        self.stats = CacheStats()
+        self._policy = policy
+        self._exact = options.granularity == "exact"
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._clock = 0
+        self._new_tree()
+
+    @classmethod
+    def from_context(cls, context: PrefixCacheContext, options: RadixCacheOptions | None = None) -> RadixCache:
+        """The registered factory: build over ``context.allocator`` with its policy and events."""
+        return cls(
+            context.allocator,
+            context.new_policy,
+            page_size=context.page_size,
+            events=context.events,
+            options=options,
+        )
+
+    def _new_tree(self) -> None:
+        self.root = RadixNode(self._clock, priority=0)
+        self.root.value = self._empty
+        self.root.lock_ref = 1  # never evicted, never in the policy
+        self._evictable = 0
+        self._protected = 0
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        """Cached tokens no running request uses: what ``evict`` can free."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Cached tokens locked by running requests."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """All cached tokens."""
+        return self._evictable + self._protected
+
+    # -- lookup and insert ----------------------------------------------------------------------
+
+    def _edge(self, parent: RadixNode, ids: tuple[int, ...], pos: int, extra_key: str | None) -> Any:
+        """Key of the child of ``parent`` that starts at ``ids[pos]``."""
+        first = ids[pos] if self.page_size == 1 else ids[pos : pos + self.page_size]
+        return (extra_key, first) if parent is self.root else first
+
+    def _common_len(self, node_key: tuple[int, ...], ids: tuple[int, ...], pos: int, end: int) -> int:
+        """How many tokens of ``node_key`` equal ``ids[pos:end]``, in whole pages.
+
+        The first page is known to match (it is the child key). Slices compare in C; a
+        mismatch is located by bisection over pages, so no Python loop runs per token.
+        """
+        page = self.page_size
+        n = min(len(node_key), end - pos)
+        if ids[pos : pos + n] == node_key[:n]:
+            return n
+        lo, hi = 1, n // page  # lo pages are equal, hi pages are not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ids[pos : pos + mid * page] == node_key[: mid * page]:
+                lo = mid
+            else:
+                hi = mid
+        return lo * page
+
+    def _split(self, child: RadixNode, length: int) -> RadixNode:
+        """Cut ``child`` after ``length`` tokens; a new node takes the head and child's place."""
+        head = RadixNode(child.creation_time, child.priority)
+        head.last_access_time = child.last_access_time
+        head.hit_count = child.hit_count
+        head.lock_ref = child.lock_ref
+        head.parent, head.edge = child.parent, child.edge
+        head.key, head.value, head.num_tokens = child.key[:length], child.value[:length], length
+        child.parent.children[head.edge] = head
+        child.key, child.value = child.key[length:], child.value[length:]
+        child.num_tokens -= length
+        child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
+        child.parent = head
+        head.children[child.edge] = child
+        if child in self._policy:  # its size changed: let size-aware policies re-rank it
+            self._policy.discard(child)
+            self._policy.add(child)
+        return head
+
+    def _walk(
+        self, ids: tuple[int, ...], end: int, extra_key: str | None, *, hit: bool, priority: int | None
+    ) -> tuple[RadixNode, int, list[torch.Tensor]]:
+        """Descend along ``ids[:end]``, stamping every matched node; split where the match ends
+        inside a node. Returns the last matched node, the matched length and the slot tensors."""
+        now = self._clock
+        policy = self._policy
+        node, pos, values = self.root, 0, []
+        while pos < end:
+            child = node.children.get(self._edge(node, ids, pos, extra_key))
+            if child is None:
+                break
+            length = self._common_len(child.key, ids, pos, end)
+            if length < child.num_tokens:
+                child = self._split(child, length)
+            child.last_access_time = now
+            if hit:
+                child.hit_count += 1
+            if priority is not None and priority > child.priority:
+                child.priority = priority
+            policy.touch(child)
+            values.append(child.value)
+            node, pos = child, pos + length
+        return node, pos, values
+
+    def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
+        """The longest cached prefix of ``key`` (in whole pages) and the node it ends at.
+
+        Every matched node gets the current logical time and one more hit, then the policy is
+        told (``touch``). ``device_indices`` is a fresh int64 tensor on the allocator's device.
+        """
+        key = as_cache_key(key)
+        ids = as_token_ids(key.token_ids)
+        self._clock += 1
+        end = len(ids) - len(ids) % self.page_size
+        node, pos, values = self._walk(ids, end, key.extra_key, hit=True, priority=None)
+        stats = self.stats
+        stats.match_queries += 1
+        stats.match_query_tokens += len(ids)
+        stats.hit_tokens += pos
+        indices = torch.cat(values) if values else self._empty
+        return MatchResult(device_indices=indices, last_node=node, prefix_len=pos)
+
+    def insert(self, key: CacheKey | Sequence[int], indices: torch.Tensor, *, priority: int = 0) -> int:
+        """Cache ``key[:aligned]`` with slots ``indices[:aligned]``; return the length already
+        cached. See the class docstring for who owns which slots afterwards.
+
+        ``priority`` (for the ``priority`` policy) is raised to at least ``priority`` on every
+        node of the path, as SGLang does.
+        """
+        key = as_cache_key(key)
+        ids = as_token_ids(key.token_ids)
+        indices = check_indices(indices, len(ids), self.device)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        self._clock += 1
+        end = len(ids) - len(ids) % self.page_size
+        node, pos, values = self._walk(ids, end, key.extra_key, hit=False, priority=priority)
+        if pos < end:
+            leaf = RadixNode(self._clock, priority)
+            leaf.parent, leaf.edge = node, self._edge(node, ids, pos, key.extra_key)
+            leaf.key, leaf.value, leaf.num_tokens = ids[pos:end], indices[pos:end].clone(), end - pos
+            node.children[leaf.edge] = leaf
+            self._policy.discard(node)  # no longer a leaf
+            self._policy.add(leaf)
+            self._evictable += leaf.num_tokens
+            self.stats.inserted_tokens += leaf.num_tokens
+            emit_stored(self.events, self.name, leaf.num_tokens, extra_key=key.extra_key)
+        if pos:
+            cached = torch.cat(values) if len(values) > 1 else values[0]
+            given = indices[:pos]
+            duplicates = given[given != cached]
+            if duplicates.numel():
+                self.allocator.free(duplicates)
+        return pos
+
+    # -- locks ----------------------------------------------------------------------------------
+
+    def _check_handle(self, node: Any) -> None:
+        if not isinstance(node, RadixNode):
+            raise TypeError(f"expected a RadixNode from match_prefix, got {type(node).__name__}")
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is not self.root:
+            raise ValueError(f"{node!r} is not cached here (evicted, reset, or from another cache)")
+
+    def inc_lock_ref(self, node: RadixNode) -> int:
+        """Lock the prefix ending at ``node`` (one running request more uses it).
+
+        Returns the change of ``evictable_size()`` (zero or negative), as SGLang does.
+        """
+        self._check_handle(node)
+        root, policy, moved = self.root, self._policy, 0
+        while node is not root:
+            if node.lock_ref == 0:
+                moved += node.num_tokens
+                policy.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+        self._evictable -= moved
+        self._protected += moved
+        return -moved
+
+    def dec_lock_ref(self, node: RadixNode) -> int:
+        """Unlock the prefix ending at ``node``; returns the change of ``evictable_size()``."""
+        self._check_handle(node)
+        if node is not self.root and node.lock_ref == 0:
+            raise ValueError(f"{node!r} is not locked: dec_lock_ref without inc_lock_ref")
+        root, policy, moved = self.root, self._policy, 0
+        while node is not root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                moved += node.num_tokens
+                if not node.children:
+                    policy.add(node)
+            node = node.parent
+        self._evictable += moved
+        self._protected -= moved
+        return moved
+
+    # -- eviction -------------------------------------------------------------------------------
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free ``params.num_tokens`` cached tokens in policy order (see the module docstring).
+
+        When less is evictable, frees all of it and says so in the result. ``swa_num_tokens``
+        and ``mamba_num`` do not apply to this cache and are ignored.
+        """
+        if not isinstance(params, EvictParams):
+            raise TypeError(f"evict takes EvictParams, got {type(params).__name__}")
+        need = params.num_tokens
+        if need == 0:
+            return EvictResult()
+        page, policy, root = self.page_size, self._policy, self.root
+        freed, victims = 0, []
+        while freed < need:
+            leaf = policy.pop()
+            if leaf is None:
+                break
+            cut = -(-(need - freed) // page) * page  # what is still needed, in whole pages
+            if self._exact and cut < leaf.num_tokens:
+                keep = leaf.num_tokens - cut
+                victims.append(leaf.value[keep:])
+                leaf.key, leaf.value, leaf.num_tokens = leaf.key[:keep], leaf.value[:keep], keep
+                policy.add(leaf)
+                freed += cut
+                break
+            victims.append(leaf.value)
+            freed += leaf.num_tokens
+            parent = leaf.parent
+            del parent.children[leaf.edge]
+            leaf.parent = leaf.value = None
+            if parent is not root and parent.lock_ref == 0 and not parent.children:
+                policy.add(parent)
+        if victims:
+            self.allocator.free(torch.cat(victims) if len(victims) > 1 else victims[0])
+        self._evictable -= freed
+        stats = self.stats
+        stats.evictions += 1
+        stats.evicted_tokens += freed
+        emit_removed(self.events, self.name, freed)
+        return EvictResult(num_tokens=freed)
+
+    # -- whole-cache operations -----------------------------------------------------------------
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every cached slot (int64, on device), in depth-first order: for checks and debugging."""
+        values, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            values.append(node.value)
+            stack.extend(node.children.values())
+        return torch.cat(values) if values else self._empty
+
+    def reset(self) -> None:
+        """Free every cached slot back to the allocator and start an empty tree.
+
+        Refused while running requests hold locks (their slots would be freed under them).
+        """
+        if self._protected:
+            raise RuntimeError(
+                f"cannot reset: {self._protected} cached tokens are locked by running requests"
+            )
+        dropped = self.total_size()
+        if dropped:
+            self.allocator.free(self.all_values_flatten())
+        self._policy.clear()
+        self._new_tree()
+        if self.events is not None:
+            self.events.cache_cleared(CacheCleared(cache=self.name, num_tokens=dropped))
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixCache(page_size={self.page_size}, evictable={self._evictable}, "
+            f"protected={self._protected}, policy={type(self._policy).__name__})"
+        )

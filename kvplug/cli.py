@@ -193,11 +193,16 @@ ConfigPath = Annotated[Path, typer.Argument(help="A .toml or .json config file."
 
 
 @config_app.command("validate")
-def config_validate(path: ConfigPath, strict: StrictOption = False, debug: DebugOption = False) -> None:
-    """Check a config: structure, component names and each plugin's options."""
-    resolved = _resolve_file(path, strict, debug)
-    names = ", ".join(f"{k.field}={resolved[k.field]['name']}" for k in COMPONENT_KINDS)
-    out.print(f"{path}: valid ({names})", highlight=False)
+def config_validate(
+    paths: Annotated[list[Path], typer.Argument(help="One or more .toml or .json config files.")],
+    strict: StrictOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Check configs: structure, component names and each plugin's options."""
+    for path in paths:
+        resolved = _resolve_file(path, strict, debug)
+        names = ", ".join(f"{k.field}={resolved[k.field]['name']}" for k in COMPONENT_KINDS)
+        out.print(f"{path}: valid ({names})", highlight=False)
 
 
 @config_app.command("show")

@@ -125,6 +125,7 @@ def plugins_command(
                     "version": info.version,
                     "builtin": info.builtin,
                     "provides": {k: list(v) for k, v in info.provides.items()},
+                    "hooks": list(info.hooks),
                 }
                 for info in infos
             ],

@@ -154,6 +154,7 @@ class PluginInfo:
     version: str | None
     builtin: bool
     provides: dict[str, tuple[str, ...]]
+    hooks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -427,9 +428,10 @@ class PluginRegistry(pluggy.PluginManager):
         """Every loaded plugin with its distribution and the components it provides."""
         collected = self.collect()
         infos = []
-        for name, _plugin in self.list_name_plugin():
+        for name, plugin in self.list_name_plugin():
             if name is None:
                 continue
+            hooks = tuple(sorted(caller.name for caller in self.get_hookcallers(plugin) or ()))
             provides = {
                 kind.field: tuple(
                     sorted(
@@ -439,7 +441,7 @@ class PluginRegistry(pluggy.PluginManager):
                 for kind in COMPONENT_KINDS
             }
             dist, version = self._distributions.get(name, (None, None))
-            infos.append(PluginInfo(name, dist, version, name in self._builtin_names, provides))
+            infos.append(PluginInfo(name, dist, version, name in self._builtin_names, provides, hooks))
         return infos
 
     # --- observers ---------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def test_plugins_json_lists_builtins_and_the_example(run):
     assert plugins["kvplug.plugins.allocators"]["builtin"] is True
     assert plugins["example_policy"]["distribution"] == "kvplug-example-policy"
     assert plugins["example_policy"]["provides"]["eviction_policy"] == ["largest_first"]
+    assert plugins["example_policy"]["hooks"] == ["kvplug_eviction_policies"]
     policies = {c["name"]: c for c in data["components"]["eviction_policy"]}
     assert policies["largest_first"]["plugin"] == "example_policy"
     assert policies["largest_first"]["options"]["properties"]["tie_break"]["default"] == "lru"

@@ -1,0 +1,444 @@
+"""``block_hash``: vLLM-style prefix cache of hash-chained, reference-counted blocks.
+
+A key is cut into blocks of ``page_size`` tokens (only full blocks are cached). A block's hash
+covers its parent's hash and its own token ids, and the chain starts from a seed derived from the
+namespace (``extra_key``), so a block hash identifies the *whole* prefix up to and including that
+block in that namespace: equal tokens after a different parent, or in another namespace, never
+match. One dict maps hash -> block, so a lookup is one hash and one dict probe per block.
+
+Hashes are SHA-256 (or BLAKE2b) digests, deterministic across processes and machines, unlike
+Python's ``hash()`` which salts strings per process; vLLM made SHA-256 its default for the same
+reason (no silent wrong-KV reuse from a 64-bit collision).
+
+Ownership: ``insert`` hands the cache the slots of every full block; for blocks that were already
+cached, passed slots that differ from the cached ones are freed by the cache (the slots a request
+got from ``match_prefix`` are identical and kept). Slots beyond the last full block stay the
+caller's.
+
+Reference counts: ``inc_lock_ref(handle)`` (the ``last_node`` of a ``MatchResult``) takes one
+reference on every block of that prefix, ``dec_lock_ref`` drops it. A block is *evictable* when
+nobody references it and no cached block chains from it: evicting a middle block would strand its
+descendants, so blocks leave from the tail and a parent becomes evictable when its last child goes.
+The evictable blocks are the configured policy's candidate set, maintained incrementally.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from kvplug_hookspecs import (
+    CacheCleared,
+    CacheEvents,
+    CacheKey,
+    EvictionPolicy,
+    EvictParams,
+    EvictResult,
+    FrozenModel,
+    MatchResult,
+    PrefixCacheContext,
+    TokenAllocator,
+)
+
+from ..policies import LRUPolicy
+from .common import (
+    CacheStats,
+    CandidateStats,
+    as_cache_key,
+    as_token_ids,
+    check_indices,
+    emit_removed,
+    emit_stored,
+)
+
+__all__ = ["Block", "BlockHashCache", "BlockHashOptions"]
+
+_EMPTY = b""
+
+
+class BlockHashOptions(FrozenModel):
+    """Options of the ``block_hash`` cache.
+
+    ``hash_algorithm``: ``sha256`` (default, as vLLM) or ``blake2b`` (a 128-bit BLAKE2b digest,
+    faster in CPython); both are deterministic across processes.
+    """
+
+    hash_algorithm: Literal["sha256", "blake2b"] = "sha256"
+
+
+class Block(CandidateStats):
+    """One cached block: ``page_size`` slots, its chain hash, its parent, two counters.
+
+    ``ref_count`` counts the running requests holding it; ``num_children`` the cached blocks
+    chained from it. It is in the policy's evictable set exactly when both are zero.
+    """
+
+    __slots__ = ("block_hash", "digest", "parent", "indices", "num_tokens", "ref_count", "num_children")
+
+    def __init__(
+        self,
+        now: int,
+        block_hash: int,
+        digest: bytes,
+        parent: Block | None,
+        indices: torch.Tensor | None,
+        num_tokens: int,
+        priority: int = 0,
+    ) -> None:
+        super().__init__(now, priority)
+        self.block_hash = block_hash
+        self.digest = digest
+        self.parent = parent
+        self.indices = indices
+        self.num_tokens = num_tokens
+        self.ref_count = 0
+        self.num_children = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Block(hash={self.block_hash:#018x}..., tokens={self.num_tokens}, "
+            f"ref_count={self.ref_count}, children={self.num_children})"
+        )
+
+
+class BlockHashCache:
+    """Hash-chained block prefix cache with reference counts (the protocol's ``PrefixCache``).
+
+    ``match_prefix`` returns the slots of the longest run of cached blocks and, as ``last_node``,
+    the last matched block (or the cache's root sentinel when nothing matched); lock that handle
+    while a request uses the prefix. ``evict`` frees whole blocks, so it frees at least the
+    shortfall when enough is evictable and at most the shortfall rounded up to ``page_size``.
+    """
+
+    name = "block_hash"
+    is_chunk_cache = False
+
+    def __init__(
+        self,
+        allocator: TokenAllocator,
+        new_policy: Callable[[], EvictionPolicy] | None = None,
+        *,
+        page_size: int | None = None,
+        events: CacheEvents | None = None,
+        options: BlockHashOptions | None = None,
+    ) -> None:
+        if options is None:
+            options = BlockHashOptions()
+        if not isinstance(options, BlockHashOptions):
+            raise TypeError(f"block_hash options must be BlockHashOptions, got {type(options).__name__}")
+        if page_size is None:
+            page_size = allocator.page_size
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if page_size % allocator.page_size:
+            raise ValueError(
+                f"page_size={page_size} is not a multiple of the allocator's page_size="
+                f"{allocator.page_size}: freeing part of an allocator page cannot free it"
+            )
+        policy = (new_policy or LRUPolicy)()
+        if not isinstance(policy, EvictionPolicy):
+            raise TypeError(f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy")
+        self.allocator = allocator
+        self.policy = policy
+        self.page_size = page_size
+        self.events = events
+        self.options = options
+        self.device = torch.device(allocator.device)
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.stats = CacheStats()
+        if self.options.hash_algorithm == "sha256":
+            self._hash = hashlib.sha256
+        else:
+            self._hash = lambda data: hashlib.blake2b(data, digest_size=16)
+        self._seeds: dict[str | None, bytes] = {}
+        self._clock = 0
+        self._init_state()
+
+    @classmethod
+    def from_context(cls, ctx: PrefixCacheContext, options: BlockHashOptions | None = None) -> BlockHashCache:
+        """The registered factory: build over the context's allocator with one fresh policy."""
+        return cls(ctx.allocator, ctx.new_policy, page_size=ctx.page_size, events=ctx.events, options=options)
+
+    def _init_state(self) -> None:
+        self.root = Block(0, 0, _EMPTY, None, None, 0)
+        self.root.ref_count = 1  # the sentinel is never evictable
+        self._blocks: dict[bytes, Block] = {}
+        self._evictable_tokens = 0
+        self._protected_tokens = 0
+
+    # ----------------------------------------------------------------------------- hashing
+    def _seed(self, extra_key: str | None) -> bytes:
+        """The chain's starting digest for a namespace: every block hash covers it."""
+        seed = self._seeds.get(extra_key)
+        if seed is None:
+            tag = b"kvplug-none" if extra_key is None else b"kvplug-ns:" + extra_key.encode()
+            seed = self._seeds[extra_key] = self._hash(tag).digest()
+        return seed
+
+    def _block_digests(self, ids: tuple[int, ...], extra_key: str | None, num_blocks: int):
+        """Yield the chain digest of each of the first ``num_blocks`` blocks (lazily).
+
+        Token ids are packed as int64 in C (``array``), then each block hashes its parent's
+        digest followed by its own bytes.
+        """
+        size = 8 * self.page_size
+        data = array("q", ids[: num_blocks * self.page_size]).tobytes()
+        digest = self._seed(extra_key)
+        hasher = self._hash
+        for i in range(num_blocks):
+            digest = hasher(digest + data[i * size : (i + 1) * size]).digest()
+            yield digest
+
+    @staticmethod
+    def _as_int(digest: bytes) -> int:
+        """The event-facing hash of a block (the first 8 bytes of its digest)."""
+        return int.from_bytes(digest[:8], "big")
+
+    # ----------------------------------------------------------------------------- queries
+    def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
+        """Longest cached run of full blocks of ``key``; updates recency and hit counts."""
+        key = as_cache_key(key)
+        ids = as_token_ids(key.token_ids)
+        num_blocks = len(ids) // self.page_size
+        self.stats.match_queries += 1
+        self.stats.match_query_tokens += len(ids)
+        self._clock += 1
+        now = self._clock
+        matched: list[Block] = []
+        blocks = self._blocks
+        for digest in self._block_digests(ids, key.extra_key, num_blocks):
+            block = blocks.get(digest)
+            if block is None:
+                break
+            block.last_access_time = now
+            block.hit_count += 1
+            self.policy.touch(block)
+            matched.append(block)
+        prefix_len = len(matched) * self.page_size
+        self.stats.hit_tokens += prefix_len
+        return MatchResult(
+            device_indices=self._gather(matched),
+            last_node=matched[-1] if matched else self.root,
+            prefix_len=prefix_len,
+        )
+
+    def _gather(self, blocks: list[Block]) -> torch.Tensor:
+        if not blocks:
+            return self._empty
+        return torch.cat([b.indices for b in blocks])
+
+    # ----------------------------------------------------------------------------- insert
+    def insert(self, key: CacheKey | Sequence[int], indices: Any, *, priority: int = 0) -> int:
+        """Cache the full blocks of ``key`` with slots ``indices``; return the length already cached.
+
+        The cache takes ownership of ``indices[:aligned_len]`` (``aligned_len`` = ``len(key)``
+        rounded down to ``page_size``): slots duplicating already-cached blocks are freed here.
+        """
+        key = as_cache_key(key)
+        ids = as_token_ids(key.token_ids)
+        indices = check_indices(indices, len(ids), self.device)
+        num_blocks = len(ids) // self.page_size
+        aligned_len = num_blocks * self.page_size
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        self._clock += 1
+        now = self._clock
+        blocks = self._blocks
+        policy = self.policy
+        page = self.page_size
+
+        parent = self.root
+        digests = self._block_digests(ids, key.extra_key, num_blocks)
+        num_cached = 0
+        new_digest: bytes | None = None
+        for digest in digests:
+            block = blocks.get(digest)
+            if block is None:
+                new_digest = digest
+                break
+            block.last_access_time = now
+            if priority > block.priority:
+                block.priority = priority
+            policy.touch(block)
+            parent = block
+            num_cached += 1
+        cached_len = num_cached * page
+
+        if num_cached:
+            # Free the caller's duplicates of cached blocks (identical slots are the cache's own).
+            cached = self._gather(self._chain(parent, num_cached))
+            passed = indices[:cached_len]
+            duplicates = passed[passed != cached]
+            if duplicates.numel():
+                self.allocator.free(duplicates)
+
+        if new_digest is None:
+            return cached_len
+
+        new_slots = indices[cached_len:aligned_len].clone().view(-1, page)
+        if parent is not self.root:
+            if parent.num_children == 0 and parent.ref_count == 0:
+                policy.discard(parent)
+        new_digests = [new_digest, *digests]
+        for i, digest in enumerate(new_digests):
+            block = Block(now, self._as_int(digest), digest, parent, new_slots[i], page, priority)
+            blocks[digest] = block
+            parent.num_children += 1
+            parent = block
+        policy.add(parent)  # only the new tail block is childless
+
+        new_tokens = len(new_digests) * page
+        self._evictable_tokens += new_tokens
+        self.stats.inserted_tokens += new_tokens
+        if self.events is not None:
+            emit_stored(
+                self.events,
+                self.name,
+                new_tokens,
+                tuple(self._as_int(d) for d in new_digests),
+                key.extra_key,
+            )
+        return cached_len
+
+    @staticmethod
+    def _chain(last: Block, count: int) -> list[Block]:
+        """The ``count`` blocks ending at ``last``, root-side first."""
+        chain = []
+        block: Block | None = last
+        for _ in range(count):
+            chain.append(block)
+            block = block.parent
+        chain.reverse()
+        return chain
+
+    # ----------------------------------------------------------------------------- eviction
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free unreferenced tail blocks in policy order until ``params.num_tokens`` are freed.
+
+        Frees whole blocks: at most ``num_tokens`` rounded up to ``page_size``; less when too
+        little is evictable (the caller decides to retract or preempt).
+        """
+        if not isinstance(params, EvictParams):
+            raise TypeError(f"evict expects EvictParams, got {type(params).__name__}")
+        need = params.num_tokens
+        if need == 0:
+            return EvictResult()
+        freed = 0
+        victims: list[Block] = []
+        policy = self.policy
+        root = self.root
+        blocks = self._blocks
+        while freed < need:
+            block = policy.pop()
+            if block is None:
+                break
+            del blocks[block.digest]
+            victims.append(block)
+            freed += block.num_tokens
+            parent = block.parent
+            block.parent = None
+            if parent is not root:
+                parent.num_children -= 1
+                if parent.num_children == 0 and parent.ref_count == 0:
+                    policy.add(parent)
+        if victims:
+            self.allocator.free(torch.cat([b.indices for b in victims]))
+            self._evictable_tokens -= freed
+            if self.events is not None:
+                emit_removed(self.events, self.name, freed, tuple(b.block_hash for b in victims))
+        self.stats.evictions += 1
+        self.stats.evicted_tokens += freed
+        return EvictResult(num_tokens=freed)
+
+    # ----------------------------------------------------------------------------- locking
+    def _check_handle(self, block: Any) -> Block:
+        if not isinstance(block, Block):
+            raise TypeError(f"a lock handle is the last_node of a MatchResult, got {type(block).__name__}")
+        if block is not self.root and self._blocks.get(block.digest) is not block:
+            raise ValueError(f"{block!r} is not cached in this cache (evicted, or from another cache)")
+        return block
+
+    def inc_lock_ref(self, node: Any) -> int:
+        """Take a reference on every block of the prefix ending at ``node``.
+
+        Returns the change of ``evictable_size()`` (zero or negative), as SGLang does.
+        """
+        block = self._check_handle(node)
+        moved = 0
+        policy = self.policy
+        while block is not self.root:
+            if block.ref_count == 0:
+                moved += block.num_tokens
+                if block.num_children == 0:
+                    policy.discard(block)
+            block.ref_count += 1
+            block = block.parent
+        self._evictable_tokens -= moved
+        self._protected_tokens += moved
+        return -moved
+
+    def dec_lock_ref(self, node: Any) -> int:
+        """Drop the reference ``inc_lock_ref(node)`` took; returns the change of ``evictable_size()``."""
+        block = self._check_handle(node)
+        if block is not self.root and block.ref_count == 0:
+            raise ValueError(f"dec_lock_ref on {block!r}, which holds no reference")
+        moved = 0
+        policy = self.policy
+        while block is not self.root:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                moved += block.num_tokens
+                if block.num_children == 0:
+                    policy.add(block)
+            block = block.parent
+        self._evictable_tokens += moved
+        self._protected_tokens -= moved
+        return moved
+
+    # ----------------------------------------------------------------------------- sizes
+    def evictable_size(self) -> int:
+        """Cached tokens no request references (freed eventually, tail blocks first)."""
+        return self._evictable_tokens
+
+    def protected_size(self) -> int:
+        """Cached tokens referenced by at least one running request."""
+        return self._protected_tokens
+
+    def total_size(self) -> int:
+        """All cached tokens."""
+        return self._evictable_tokens + self._protected_tokens
+
+    def num_blocks(self) -> int:
+        """How many blocks are cached."""
+        return len(self._blocks)
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every cached slot (int64, on device): for checks and debugging."""
+        return self._gather(list(self._blocks.values()))
+
+    def reset(self) -> None:
+        """Free every cached slot back to the allocator and forget every block.
+
+        Refused while running requests hold references (their slots would be freed under them).
+        """
+        if self._protected_tokens:
+            raise RuntimeError(
+                f"cannot reset: {self._protected_tokens} cached tokens are referenced by running requests"
+            )
+        dropped = self.total_size()
+        if dropped:
+            self.allocator.free(self.all_values_flatten())
+        self.policy.clear()
+        self._init_state()
+        if self.events is not None:
+            self.events.cache_cleared(CacheCleared(cache=self.name, num_tokens=dropped))
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockHashCache(page_size={self.page_size}, blocks={len(self._blocks)}, "
+            f"evictable={self._evictable_tokens}, protected={self._protected_tokens}, "
+            f"policy={type(self.policy).__name__})"
+        )

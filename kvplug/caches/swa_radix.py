@@ -1,0 +1,667 @@
+"""``swa_radix``: a radix tree for hybrid full / sliding-window models, on the ``swa`` allocator.
+
+Each node holds the full-pool slots of its tokens; the allocator maps each full slot to a window
+slot. Sliding-window layers only ever read the last ``sliding_window_size`` tokens, so the window
+side of an old prefix can go while its full side stays useful: window eviction *tombstones* a
+node (``swa_tombstone = True``: its window slots are freed with ``allocator.free_swa``, its full
+slots are kept). A cached prefix is usable only if its last ``sliding_window_size`` tokens after
+the last tombstone are window-live (or no tombstone lies on its path); ``match_prefix`` returns
+the longest such prefix, as SGLang's ``SWARadixCache._match_prefix_helper`` does.
+
+Two evictable sets, each the configured policy (``new_policy()`` is called twice):
+
+* full: unlocked, window-live leaves. Evicting one frees both sides, so its window tokens count
+  in ``EvictResult.swa_num_tokens`` too.
+* window: window-live nodes without a window lock, leaves *or internal*. Evicting one only
+  tombstones it; a tombstoned leaf can never be matched (no live window follows it), so it
+  becomes *dead* and full eviction reclaims dead leaves first, oldest first, before asking the
+  policy.
+
+``evict(EvictParams(num_tokens, swa_num_tokens))`` runs the full pass, then the window pass for
+whatever window tokens are still missing. Both are exact: the last full victim keeps its head
+and frees only its tail pages; the last window victim is split and only its head pages are
+tombstoned (the tail stays live, which is the part a match ending there needs). So
+``num_tokens`` freed is at most ``num_tokens`` asked rounded up to ``page_size``, and window
+tokens freed at most the larger of the two requests rounded up.
+
+Locks, as SGLang: ``inc_lock_ref(node)`` takes a full lock on every node up to the root and a
+window lock only on the nodes covering the last ``sliding_window_size`` tokens, so older window
+KV of a running request's prefix can still be tombstoned. A locked node is never evicted from
+either pool. The window lock's extent is remembered on the handle in tokens (a later split of a
+node on the path changes node boundaries, never token offsets), so ``dec_lock_ref(node)`` needs
+no extra argument.
+
+Insert ownership is the radix cache's: the cache owns ``indices[:aligned]``; for the part already
+cached, passed slots that differ from the cached ones are freed (identical ones are kept), except
+that a tombstoned, unlocked node is *revived* with the passed slots (their window side is live)
+and its old full slots are freed; without that, a prompt ending within a window of a tombstone
+could never be matched again. ``insert(..., swa_evicted_seqlen=s)`` says the caller already freed
+the window side of the first ``s`` tokens (SGLang's ``req.swa_evicted_seqlen``): new tokens
+before ``s`` are stored as a tombstone, and nodes before ``s`` are not revived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from kvplug_hookspecs import (
+    CacheCleared,
+    CacheEvents,
+    CacheKey,
+    EvictionPolicy,
+    EvictParams,
+    EvictResult,
+    FrozenModel,
+    MatchResult,
+    PrefixCacheContext,
+    SWATokenAllocator,
+)
+from pydantic import Field
+
+from ..policies import LRUPolicy
+from .common import (
+    CacheStats,
+    CandidateStats,
+    as_cache_key,
+    as_token_ids,
+    check_indices,
+    emit_removed,
+    emit_stored,
+)
+
+__all__ = ["SWARadixCache", "SWARadixNode", "SWARadixOptions"]
+
+_INF = float("inf")
+
+
+class SWARadixOptions(FrozenModel):
+    """Options of the ``swa_radix`` cache.
+
+    ``sliding_window_size``: the attention window in tokens; ``None`` takes the allocator's.
+    """
+
+    sliding_window_size: int | None = Field(None, strict=True, gt=0)
+
+
+class SWARadixNode(CandidateStats):
+    """One edge: ``key`` token ids and ``value`` their full-pool slots (int64, on device).
+
+    ``full_lock_ref`` counts requests whose prefix passes through here; ``swa_lock_ref`` those
+    whose window covers it (always ``<= full_lock_ref``). ``swa_tombstone`` means the window side
+    was freed. ``swa_lock_spans`` lists, per lock taken *at* this node, how many tokens its window
+    lock covers. A freed node has ``parent is None``.
+    """
+
+    __slots__ = (
+        "children",
+        "parent",
+        "edge",
+        "key",
+        "value",
+        "num_tokens",
+        "full_lock_ref",
+        "swa_lock_ref",
+        "swa_tombstone",
+        "swa_lock_spans",
+    )
+
+    def __init__(self, now: int, priority: int = 0) -> None:
+        super().__init__(now, priority)
+        self.children: dict[Any, SWARadixNode] = {}
+        self.parent: SWARadixNode | None = None
+        self.edge: Any = None
+        self.key: tuple[int, ...] = ()
+        self.value: torch.Tensor | None = None
+        self.num_tokens = 0
+        self.full_lock_ref = 0
+        self.swa_lock_ref = 0
+        self.swa_tombstone = False
+        self.swa_lock_spans: list[int] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"SWARadixNode(id={self.node_id}, tokens={self.num_tokens}, full_lock_ref={self.full_lock_ref}, "
+            f"swa_lock_ref={self.swa_lock_ref}, tombstone={self.swa_tombstone}, children={len(self.children)})"
+        )
+
+
+class SWARadixCache:
+    """Radix-tree prefix cache with window tombstones over an ``SWATokenAllocator``.
+
+    Sizes: ``evictable_size()`` / ``protected_size()`` / ``total_size()`` count full-pool tokens,
+    ``swa_evictable_size()`` / ``swa_protected_size()`` / ``swa_total_size()`` window-pool tokens.
+    With ``R`` tokens held by running requests in each pool,
+    ``full_available + evictable + protected + R == size`` and
+    ``swa_available + swa_evictable + swa_protected + R_window == size_swa``.
+    """
+
+    name = "swa_radix"
+    is_chunk_cache = False
+
+    def __init__(
+        self,
+        allocator: SWATokenAllocator,
+        new_policy: Callable[[], EvictionPolicy] | None = None,
+        *,
+        page_size: int | None = None,
+        events: CacheEvents | None = None,
+        options: SWARadixOptions | None = None,
+    ) -> None:
+        if options is None:
+            options = SWARadixOptions()
+        if not isinstance(options, SWARadixOptions):
+            raise TypeError(f"swa_radix options must be SWARadixOptions, got {type(options).__name__}")
+        missing = [m for m in ("free_swa", "swa_available_size", "full_available_size") if not hasattr(allocator, m)]
+        if missing:
+            raise TypeError(
+                f"swa_radix needs a sliding-window allocator (e.g. 'swa'); "
+                f"{type(allocator).__name__} has no {', '.join(missing)}"
+            )
+        window = options.sliding_window_size
+        if window is None:
+            window = getattr(allocator, "sliding_window_size", None)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window_size must be a positive int, got {window!r}")
+        if page_size is None:
+            page_size = allocator.page_size
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if page_size % allocator.page_size:
+            raise ValueError(
+                f"page_size={page_size} is not a multiple of the allocator's page_size={allocator.page_size}"
+            )
+        make = new_policy or LRUPolicy
+        full_policy, swa_policy = make(), make()
+        for policy in (full_policy, swa_policy):
+            if not isinstance(policy, EvictionPolicy):
+                raise TypeError(f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy")
+        if full_policy is swa_policy:
+            raise ValueError("new_policy() must return a fresh policy on every call")
+        self.allocator = allocator
+        self.sliding_window_size = window
+        self.page_size = page_size
+        self.device = torch.device(allocator.device)
+        self.events = events
+        self.options = options
+        self.stats = CacheStats()
+        self._full_policy = full_policy
+        self._swa_policy = swa_policy
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._clock = 0
+        self._new_tree()
+
+    @classmethod
+    def from_context(cls, context: PrefixCacheContext, options: SWARadixOptions | None = None) -> SWARadixCache:
+        """The registered factory: build over ``context.allocator`` with two policies of its kind."""
+        return cls(
+            context.allocator,  # type: ignore[arg-type]
+            context.new_policy,
+            page_size=context.page_size,
+            events=context.events,
+            options=options,
+        )
+
+    def _new_tree(self) -> None:
+        self.root = SWARadixNode(self._clock)
+        self.root.value = self._empty
+        self.root.full_lock_ref = self.root.swa_lock_ref = 1  # never evicted, never in a set
+        self._dead: dict[SWARadixNode, None] = {}  # unlocked tombstoned leaves, oldest first
+        self._full_evictable = self._full_protected = 0
+        self._swa_evictable = self._swa_protected = 0
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        """Cached full-pool tokens no running request uses."""
+        return self._full_evictable
+
+    def protected_size(self) -> int:
+        """Cached full-pool tokens locked by running requests."""
+        return self._full_protected
+
+    def total_size(self) -> int:
+        """All cached full-pool tokens (tombstoned ones included)."""
+        return self._full_evictable + self._full_protected
+
+    def swa_evictable_size(self) -> int:
+        """Cached window-live tokens outside every running request's window lock."""
+        return self._swa_evictable
+
+    def swa_protected_size(self) -> int:
+        """Cached window-live tokens inside a running request's window lock."""
+        return self._swa_protected
+
+    def swa_total_size(self) -> int:
+        """All cached window-live tokens."""
+        return self._swa_evictable + self._swa_protected
+
+    # -- evictable-set membership ---------------------------------------------------------------
+
+    def _refresh(self, node: SWARadixNode) -> None:
+        """Put ``node`` in exactly the evictable sets its state allows (O(log N))."""
+        if node is self.root:
+            return
+        free_leaf = not node.children and node.full_lock_ref == 0
+        full, swa = self._full_policy, self._swa_policy
+        if free_leaf and node.swa_tombstone:
+            self._dead[node] = None
+        else:
+            self._dead.pop(node, None)
+        if free_leaf and not node.swa_tombstone:
+            if node not in full:
+                full.add(node)
+        else:
+            full.discard(node)
+        if not node.swa_tombstone and node.swa_lock_ref == 0:
+            if node not in swa:
+                swa.add(node)
+        else:
+            swa.discard(node)
+
+    # -- tree helpers ---------------------------------------------------------------------------
+
+    def _edge(self, parent: SWARadixNode, ids: tuple[int, ...], pos: int, extra_key: str | None) -> Any:
+        """Key of the child of ``parent`` starting at ``ids[pos]``; the root's carry the namespace."""
+        first = ids[pos] if self.page_size == 1 else ids[pos : pos + self.page_size]
+        return (extra_key, first) if parent is self.root else first
+
+    def _common_len(self, node_key: tuple[int, ...], ids: tuple[int, ...], pos: int, end: int) -> int:
+        """Equal tokens of ``node_key`` and ``ids[pos:end]`` in whole pages (the first page is
+        known equal). Slices compare in C; a mismatch is found by bisection over pages."""
+        page = self.page_size
+        n = min(len(node_key), end - pos)
+        if ids[pos : pos + n] == node_key[:n]:
+            return n
+        lo, hi = 1, n // page
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ids[pos : pos + mid * page] == node_key[: mid * page]:
+                lo = mid
+            else:
+                hi = mid
+        return lo * page
+
+    def _split(self, child: SWARadixNode, length: int) -> SWARadixNode:
+        """Cut ``child`` after ``length`` tokens: a new node takes the head and child's place.
+
+        The head inherits locks, tombstone and statistics; ``child`` (the tail) keeps its
+        identity, so a lock handle and its window spans stay valid.
+        """
+        head = SWARadixNode(child.creation_time, child.priority)
+        head.last_access_time = child.last_access_time
+        head.hit_count = child.hit_count
+        head.full_lock_ref = child.full_lock_ref
+        head.swa_lock_ref = child.swa_lock_ref
+        head.swa_tombstone = child.swa_tombstone
+        head.parent, head.edge = child.parent, child.edge
+        head.key, head.value, head.num_tokens = child.key[:length], child.value[:length], length
+        child.parent.children[head.edge] = head
+        child.key, child.value = child.key[length:], child.value[length:]
+        child.num_tokens -= length
+        child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
+        child.parent = head
+        head.children[child.edge] = child
+        for policy in (self._full_policy, self._swa_policy):
+            if child in policy:  # its size changed: let size-aware policies re-rank it
+                policy.discard(child)
+                policy.add(child)
+        self._refresh(head)
+        return head
+
+    def _add_node(
+        self, parent: SWARadixNode, key: tuple[int, ...], value: torch.Tensor, edge: Any, tombstone: bool, priority: int
+    ) -> SWARadixNode:
+        node = SWARadixNode(self._clock, priority)
+        node.parent, node.edge, node.key, node.value = parent, edge, key, value
+        node.num_tokens = len(key)
+        node.swa_tombstone = tombstone
+        parent.children[edge] = node
+        self._full_evictable += node.num_tokens
+        if not tombstone:
+            self._swa_evictable += node.num_tokens
+        self._refresh(parent)
+        self._refresh(node)
+        return node
+
+    def _check_handle(self, node: Any) -> None:
+        if not isinstance(node, SWARadixNode):
+            raise TypeError(f"expected an SWARadixNode from match_prefix, got {type(node).__name__}")
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is not self.root:
+            raise ValueError(f"{node!r} is not cached here (evicted, reset, or from another cache)")
+
+    # -- lookup and insert ----------------------------------------------------------------------
+
+    def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
+        """The longest cached prefix of ``key`` whose window is live (in whole pages).
+
+        A prefix counts if no tombstone lies on its path, or if at least ``sliding_window_size``
+        window-live tokens follow the last tombstone. Matched nodes get increasing logical times
+        from the root down (so window eviction tombstones root-side nodes first) and one more hit.
+        """
+        key = as_cache_key(key)
+        ids = as_token_ids(key.token_ids)
+        self._clock += 1
+        end = len(ids) - len(ids) % self.page_size
+        window = self.sliding_window_size
+        node, pos = self.root, 0
+        path: list[SWARadixNode] = []
+        since_tombstone = _INF
+        best_len, best_count = 0, 0
+        while pos < end:
+            child = node.children.get(self._edge(node, ids, pos, key.extra_key))
+            if child is None:
+                break
+            if child.swa_tombstone:
+                if since_tombstone >= window:
+                    best_len, best_count = pos, len(path)
+                since_tombstone = 0
+            length = self._common_len(child.key, ids, pos, end)
+            if length < child.num_tokens:
+                child = self._split(child, length)
+            if not child.swa_tombstone:
+                since_tombstone += length
+            path.append(child)
+            node, pos = child, pos + length
+        if since_tombstone >= window:
+            best_len, best_count = pos, len(path)
+
+        full, swa = self._full_policy, self._swa_policy
+        for node in path[:best_count]:
+            self._clock += 1
+            node.last_access_time = self._clock
+            node.hit_count += 1
+            full.touch(node)
+            swa.touch(node)
+        stats = self.stats
+        stats.match_queries += 1
+        stats.match_query_tokens += len(ids)
+        stats.hit_tokens += best_len
+        if best_count == 0:
+            return MatchResult(device_indices=self._empty, last_node=self.root, prefix_len=0)
+        values = [n.value for n in path[:best_count]]
+        indices = torch.cat(values) if len(values) > 1 else values[0]
+        return MatchResult(device_indices=indices, last_node=path[best_count - 1], prefix_len=best_len)
+
+    def insert(
+        self,
+        key: CacheKey | Sequence[int],
+        indices: torch.Tensor,
+        *,
+        priority: int = 0,
+        swa_evicted_seqlen: int = 0,
+    ) -> int:
+        """Cache ``key[:aligned]`` with full slots ``indices[:aligned]``; return the length already
+        cached. The cache owns those slots afterwards (see the module docstring).
+
+        ``swa_evicted_seqlen``: how many leading tokens already had their window side freed by
+        the caller (a multiple of ``page_size``); 0 when every window slot is live.
+        """
+        key = as_cache_key(key)
+        ids = as_token_ids(key.token_ids)
+        indices = check_indices(indices, len(ids), self.device)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if not isinstance(swa_evicted_seqlen, int) or isinstance(swa_evicted_seqlen, bool):
+            raise TypeError(f"swa_evicted_seqlen must be an int, got {type(swa_evicted_seqlen).__name__}")
+        if not 0 <= swa_evicted_seqlen <= len(ids) or swa_evicted_seqlen % self.page_size:
+            raise ValueError(
+                f"swa_evicted_seqlen={swa_evicted_seqlen} must be a multiple of page_size={self.page_size} "
+                f"between 0 and the key length {len(ids)}"
+            )
+        self._clock += 1
+        end = len(ids) - len(ids) % self.page_size
+        full, swa = self._full_policy, self._swa_policy
+        node, pos = self.root, 0
+        given_parts: list[torch.Tensor] = []
+        cached_parts: list[torch.Tensor] = []
+        while pos < end:
+            child = node.children.get(self._edge(node, ids, pos, key.extra_key))
+            if child is None:
+                break
+            length = self._common_len(child.key, ids, pos, end)
+            if length < child.num_tokens:
+                child = self._split(child, length)
+            self._clock += 1
+            child.last_access_time = self._clock
+            if priority > child.priority:
+                child.priority = priority
+            full.touch(child)
+            swa.touch(child)
+            given = indices[pos : pos + length]
+            if (
+                child.swa_tombstone
+                and child.full_lock_ref == 0
+                and swa_evicted_seqlen <= pos
+                and not bool((given == child.value).any())
+            ):
+                self._revive(child, given)
+            else:
+                given_parts.append(given)
+                cached_parts.append(child.value)
+            node, pos = child, pos + length
+
+        if pos < end:
+            live_from = min(max(swa_evicted_seqlen, pos), end)
+            if live_from == end:
+                # Every new token already lost its window: nothing a match could use.
+                self.allocator.free(indices[pos:end])
+            else:
+                if live_from > pos:
+                    node = self._add_node(
+                        node,
+                        ids[pos:live_from],
+                        indices[pos:live_from].clone(),
+                        self._edge(node, ids, pos, key.extra_key),
+                        True,
+                        priority,
+                    )
+                self._add_node(
+                    node,
+                    ids[live_from:end],
+                    indices[live_from:end].clone(),
+                    self._edge(node, ids, live_from, key.extra_key),
+                    False,
+                    priority,
+                )
+                self.stats.inserted_tokens += end - pos
+                emit_stored(self.events, self.name, end - pos, extra_key=key.extra_key)
+
+        if given_parts:
+            given = torch.cat(given_parts) if len(given_parts) > 1 else given_parts[0]
+            cached = torch.cat(cached_parts) if len(cached_parts) > 1 else cached_parts[0]
+            duplicates = given[given != cached]
+            if duplicates.numel():
+                self.allocator.free(duplicates)
+        return pos
+
+    def _revive(self, node: SWARadixNode, given: torch.Tensor) -> None:
+        """Give a tombstoned, unlocked node the caller's window-live slots; free its old full ones."""
+        self.allocator.free(node.value)  # their window side is already gone
+        node.value = given.clone()
+        node.swa_tombstone = False
+        self._swa_evictable += node.num_tokens
+        self._refresh(node)
+
+    # -- locks ----------------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: SWARadixNode) -> int:
+        """Lock the prefix ending at ``node``: full side up to the root, window side over its last
+        ``sliding_window_size`` tokens. Returns the change of ``evictable_size()`` (<= 0)."""
+        self._check_handle(node)
+        root, window = self.root, self.sliding_window_size
+        if node is root:
+            return 0
+        covered, x = 0, node
+        while x is not root and covered < window:
+            if x.swa_tombstone:
+                raise ValueError(
+                    f"cannot lock {node!r}: its last {window} tokens include a tombstoned node "
+                    "(lock the last_node of a fresh match_prefix)"
+                )
+            covered += x.num_tokens
+            x = x.parent
+        moved, covered, x = 0, 0, node
+        while x is not root:
+            if x.full_lock_ref == 0:
+                moved += x.num_tokens
+            x.full_lock_ref += 1
+            if covered < window:
+                if x.swa_lock_ref == 0:
+                    self._swa_evictable -= x.num_tokens
+                    self._swa_protected += x.num_tokens
+                x.swa_lock_ref += 1
+                covered += x.num_tokens
+            self._refresh(x)
+            x = x.parent
+        if node.swa_lock_spans is None:
+            node.swa_lock_spans = []
+        node.swa_lock_spans.append(covered)
+        self._full_evictable -= moved
+        self._full_protected += moved
+        return -moved
+
+    def dec_lock_ref(self, node: SWARadixNode) -> int:
+        """Undo one ``inc_lock_ref(node)``; returns the change of ``evictable_size()`` (>= 0)."""
+        self._check_handle(node)
+        root = self.root
+        if node is root:
+            return 0
+        if not node.swa_lock_spans:
+            raise ValueError(f"{node!r} is not locked: dec_lock_ref without inc_lock_ref")
+        span = node.swa_lock_spans.pop()
+        moved, covered, x = 0, 0, node
+        while x is not root:
+            x.full_lock_ref -= 1
+            if x.full_lock_ref == 0:
+                moved += x.num_tokens
+            if covered < span:
+                x.swa_lock_ref -= 1
+                if x.swa_lock_ref == 0:
+                    self._swa_evictable += x.num_tokens
+                    self._swa_protected -= x.num_tokens
+                covered += x.num_tokens
+            self._refresh(x)
+            x = x.parent
+        self._full_evictable += moved
+        self._full_protected -= moved
+        return moved
+
+    # -- eviction -------------------------------------------------------------------------------
+
+    def _next_full_victim(self) -> SWARadixNode | None:
+        """A dead (tombstoned) leaf first: no match can use it; else the policy's choice."""
+        if self._dead:
+            node = next(iter(self._dead))
+            del self._dead[node]
+            return node
+        return self._full_policy.pop()
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free ``params.num_tokens`` full and ``params.swa_num_tokens`` window tokens (see the
+        module docstring); when less is evictable, free what can be and say so in the result."""
+        if not isinstance(params, EvictParams):
+            raise TypeError(f"evict takes EvictParams, got {type(params).__name__}")
+        full_need, swa_need = params.num_tokens, params.swa_num_tokens
+        if full_need == 0 and swa_need == 0:
+            return EvictResult()
+        page = self.page_size
+        full_freed = swa_freed = tombstoned = 0
+        full_victims: list[torch.Tensor] = []
+        swa_victims: list[torch.Tensor] = []
+
+        while full_freed < full_need:
+            leaf = self._next_full_victim()
+            if leaf is None:
+                break
+            cut = -(-(full_need - full_freed) // page) * page
+            live = not leaf.swa_tombstone
+            if cut < leaf.num_tokens:  # exact: free the tail pages, keep the head cached
+                keep = leaf.num_tokens - cut
+                full_victims.append(leaf.value[keep:])
+                leaf.key, leaf.value, leaf.num_tokens = leaf.key[:keep], leaf.value[:keep], keep
+                self._refresh(leaf)
+                freed = cut
+            else:
+                full_victims.append(leaf.value)
+                freed = leaf.num_tokens
+                parent = leaf.parent
+                del parent.children[leaf.edge]
+                leaf.parent = None
+                self._swa_policy.discard(leaf)
+                self._refresh(parent)
+            full_freed += freed
+            self._full_evictable -= freed
+            if live:
+                swa_freed += freed
+                self._swa_evictable -= freed
+
+        while swa_freed < swa_need:
+            node = self._swa_policy.pop()
+            if node is None:
+                break
+            cut = -(-(swa_need - swa_freed) // page) * page
+            target = self._split(node, cut) if cut < node.num_tokens else node
+            swa_victims.append(target.value)
+            target.swa_tombstone = True
+            swa_freed += target.num_tokens
+            tombstoned += target.num_tokens
+            self._swa_evictable -= target.num_tokens
+            self._refresh(target)
+            if target is not node:
+                self._refresh(node)  # the live tail goes back into the window set
+
+        if full_victims:
+            self.allocator.free(torch.cat(full_victims) if len(full_victims) > 1 else full_victims[0])
+        if swa_victims:
+            self.allocator.free_swa(torch.cat(swa_victims) if len(swa_victims) > 1 else swa_victims[0])
+        stats = self.stats
+        stats.evictions += 1
+        stats.evicted_tokens += full_freed
+        stats.swa_evicted_tokens += swa_freed
+        emit_removed(self.events, self.name, full_freed)
+        emit_removed(self.events, self.name, tombstoned, reason="swa_evicted")
+        return EvictResult(num_tokens=full_freed, swa_num_tokens=swa_freed)
+
+    # -- whole-cache operations -----------------------------------------------------------------
+
+    def _nodes(self) -> list[SWARadixNode]:
+        nodes, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every cached full slot (int64, on device): for checks and debugging."""
+        values = [n.value for n in self._nodes()]
+        return torch.cat(values) if values else self._empty
+
+    def reset(self) -> None:
+        """Free every cached slot (both pools) and start an empty tree.
+
+        Refused while running requests hold locks (their slots would be freed under them).
+        """
+        if self._full_protected:
+            raise RuntimeError(f"cannot reset: {self._full_protected} cached tokens are locked by running requests")
+        dropped = self.total_size()
+        if dropped:
+            self.allocator.free(self.all_values_flatten())
+        self._full_policy.clear()
+        self._swa_policy.clear()
+        self._new_tree()
+        if self.events is not None:
+            self.events.cache_cleared(CacheCleared(cache=self.name, num_tokens=dropped))
+
+    def __repr__(self) -> str:
+        return (
+            f"SWARadixCache(window={self.sliding_window_size}, page_size={self.page_size}, "
+            f"evictable={self._full_evictable}, protected={self._full_protected}, "
+            f"swa_evictable={self._swa_evictable}, swa_protected={self._swa_protected}, "
+            f"policy={type(self._full_policy).__name__})"
+        )

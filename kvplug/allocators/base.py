@@ -76,7 +76,7 @@ class FreeIdStack:
         n = ids.numel()
         if n > self.top:
             raise ValueError(
-                f"freeing {n} {self.unit}s but only {self.top} are allocated: some are freed twice"
+                f"freeing {n} {self.unit}(s) but only {self.top} are allocated: some are freed twice"
             )
         if self.is_free is not None:
             self._check_not_free(ids)

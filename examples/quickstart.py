@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import random
 import sys
+import warnings
 
-import torch
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch without numpy
 
-import kvplug
-from kvplug import CacheKey
+import torch  # noqa: E402
+
+import kvplug  # noqa: E402
+from kvplug import CacheKey  # noqa: E402
 
 DEFAULT = {
     "allocator": "standard",
@@ -61,7 +64,8 @@ def main() -> None:
     print(f"capacity {allocator.size} tokens, pool {stack.pool.mem_bytes() / 2**20:.1f} MiB on {allocator.device}")
     print(f"200 requests: {hits} prompt tokens served from cache, {evicted} tokens evicted")
     print(f"free {allocator.available_size()} + cached {cache.evictable_size() + cache.protected_size()} = {allocator.size}")
-    print("stats:", {k: v for k, v in cache.stats.as_dict().items() if v})
+    for name, value in cache.stats.as_dict().items():
+        print(f"  {name:28} {value:.3f}" if isinstance(value, float) else f"  {name:28} {value}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,6 +29,9 @@ from .registry import (
     UnknownComponentError,
     env_flag,
 )
+
+# torch warns on import when numpy is absent; kvplug never converts tensors to numpy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 EXIT_BAD_CONFIG = 2
 EXIT_PLUGIN_ERROR = 3
@@ -146,27 +150,33 @@ def plugins_command(
         return
 
     table = Table(title="kvplug plugins", title_justify="left")
-    for column in ("plugin", "distribution", *(k.label_plural for k in COMPONENT_KINDS)):
-        table.add_column(column)
+    table.add_column("plugin", no_wrap=True)
+    table.add_column("distribution", no_wrap=True)
+    table.add_column("provides")
     for info in infos:
         dist = f"{info.distribution} {info.version}" if info.distribution else "-"
-        table.add_row(info.name, dist, *(", ".join(info.provides[k.field]) or "-" for k in COMPONENT_KINDS))
+        provides = "\n".join(
+            f"{k.label_plural}: {', '.join(info.provides[k.field])}"
+            for k in COMPONENT_KINDS
+            if info.provides[k.field]
+        )
+        table.add_row(info.name, dist, provides or "-")
     out.print(table)
 
     comp_table = Table(title="components", title_justify="left")
-    for column in ("kind", "name", "aliases", "plugin", "description"):
-        comp_table.add_column(column)
+    for column in ("kind", "name", "aliases"):
+        comp_table.add_column(column, no_wrap=True)
+    comp_table.add_column("description")
     for kind in COMPONENT_KINDS:
         for item in components[kind.field]:
-            comp_table.add_row(
-                kind.label, item["name"], ", ".join(item["aliases"]), item["plugin"], item["description"]
-            )
+            comp_table.add_row(kind.label, item["name"], ", ".join(item["aliases"]), item["description"])
     out.print(comp_table)
 
     if registry.failures:
         failed = Table(title="failed plugins", title_justify="left", style="red")
-        for column in ("plugin", "distribution", "stage", "error"):
-            failed.add_column(column)
+        for column in ("plugin", "distribution", "stage"):
+            failed.add_column(column, no_wrap=True)
+        failed.add_column("error")
         for f in registry.failures:
             dist = f"{f.distribution} {f.version}" if f.distribution else "-"
             failed.add_row(f.name, dist, f.stage, f.error)

@@ -1,0 +1,67 @@
+"""Every cache x policy combination is selectable by config and works through ``kvplug.build``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvplug
+from kvplug import CacheKey, EvictResult
+
+POLICIES = ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "largest_first"]
+CACHES = ["radix", "swa_radix", "block_hash", "chunk"]
+
+
+def _config(cache: str, policy: str) -> dict:
+    pool = {"capacity_tokens": 64, "num_layers": 2, "kv_heads": 1, "head_dim": 4, "device": "cpu"}
+    if cache == "swa_radix":
+        allocator = {"name": "swa", "options": {"swa_capacity_tokens": 64, "sliding_window_size": 4}}
+    else:
+        allocator, pool["page_size"] = "paged", 4
+    return {"allocator": allocator, "prefix_cache": cache, "eviction_policy": policy, "pool": pool}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cache_name", CACHES)
+def test_build_insert_match_and_evict_exactly_the_shortfall(cache_name, policy):
+    stack = kvplug.build(_config(cache_name, policy))
+    cache, allocator = stack.prefix_cache, stack.allocator
+    assert allocator.available_size() == 64
+    prompts = [list(range(100 * i, 100 * i + 16)) for i in range(3)]
+    for tokens in prompts[:2]:
+        slots = allocator.alloc(16)
+        stack.pool.set_kv(0, slots, torch.ones(16, 1, 4, dtype=stack.pool.dtype), torch.ones(16, 1, 4, dtype=stack.pool.dtype))
+        assert cache.insert(CacheKey(tokens), slots) == 0
+    if cache.is_chunk_cache:
+        assert cache.match_prefix(CacheKey(prompts[0])).prefix_len == 0
+        assert stack.evict_for(48) is None
+        assert allocator.available_size() == 64
+        return
+    match = cache.match_prefix(CacheKey(prompts[0]))
+    assert match.prefix_len == 16
+    assert torch.equal(match.device_indices.sort().values, match.device_indices.unique())
+    assert cache.evictable_size() == 32 and cache.protected_size() == 0
+    assert allocator.available_size() == 32
+    # 48 needed, 32 free: exactly the 16-token shortfall is evicted, never 48
+    result = stack.evict_for(48)
+    assert result.num_tokens == 16
+    assert allocator.available_size() == 48 and cache.evictable_size() == 16
+    # 30 needed, 48 free: nothing is evicted
+    assert stack.evict_for(30) == EvictResult()
+    assert cache.evictable_size() == 16
+    # a locked prefix is protected, and eviction cannot reach it
+    survivor = next(t for t in prompts[:2] if cache.match_prefix(CacheKey(t)).prefix_len == 16)
+    handle = cache.match_prefix(CacheKey(survivor)).last_node
+    cache.inc_lock_ref(handle)
+    assert (cache.evictable_size(), cache.protected_size()) == (0, 16)
+    assert stack.evict_for(64).num_tokens == 0
+    cache.dec_lock_ref(handle)
+    assert allocator.available_size() + cache.evictable_size() + cache.protected_size() == 64
+
+
+def test_options_of_the_selected_cache_are_validated():
+    config = _config("radix", "lru")
+    config["prefix_cache"] = {"name": "radix", "options": {"granularity": "page"}}
+    with pytest.raises(Exception) as info:
+        kvplug.build(config)
+    assert "prefix_cache" in str(info.value) and "granularity" in str(info.value)

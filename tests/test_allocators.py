@@ -102,7 +102,7 @@ def test_standard_free_returns_slots_and_reuses_most_recent_first():
 
 
 def test_standard_free_accepts_int32_and_empty():
-    a = std(4)
+    a = std(4, debug_checks=True)
     a.alloc(4)
     a.free(t(4, 2, dtype=torch.int32))
     a.free(t())
@@ -363,6 +363,13 @@ def test_paged_free_frees_each_touched_page_once():
     assert a.alloc(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
+def test_paged_free_accepts_int32():
+    a = paged(32, 4, debug_checks=True)
+    a.alloc(8)
+    a.free(t(5, 9, dtype=torch.int32))
+    assert a.available_size() == 32
+
+
 def test_paged_free_group_merges_slots_of_the_same_page():
     a = paged(32, 4, debug_checks=True)
     a.alloc(8)
@@ -597,6 +604,15 @@ def test_swa_free_swa_frees_only_the_window_side_then_free_only_the_full_side():
     a.free_swa(full[:1])  # already unmapped: nothing more to free
     assert a.swa_available_size() == 3
     a.free(full)
+    assert (a.full_available_size(), a.swa_available_size()) == (16, 4)
+
+
+def test_swa_accepts_int32_and_translates_any_shape():
+    a = swa(16, 4, debug_checks=True)
+    full = a.alloc(4)
+    assert a.translate_loc_from_full_to_swa(full.view(2, 2).int()).tolist() == [[1, 2], [3, 4]]
+    a.free_swa(full[:1].int())
+    a.free(full.int())
     assert (a.full_available_size(), a.swa_available_size()) == (16, 4)
 
 

@@ -68,7 +68,7 @@ class FreeIdStack:
         out = self._ids[self.top : self.top + n].clone()
         self.top += n
         if self.is_free is not None:
-            self.is_free[out] = False
+            self.is_free.index_fill_(0, out, False)
         return out
 
     def push(self, ids: torch.Tensor) -> None:
@@ -83,10 +83,10 @@ class FreeIdStack:
         self._ids[self.top - n : self.top] = ids
         self.top -= n
         if self.is_free is not None:
-            self.is_free[ids] = True
+            self.is_free.index_fill_(0, ids, True)
 
     def _check_not_free(self, ids: torch.Tensor) -> None:
-        already = self.is_free[ids]
+        already = self.is_free.index_select(0, ids)
         if bool(already.any()):
             raise ValueError(f"{self.unit} {int(ids[already][0])} is already free (double free)")
         if ids.numel() > 1:
@@ -137,7 +137,7 @@ class BaseAllocator:
     # -- freeing ------------------------------------------------------------------------------
     def free(self, indices: torch.Tensor) -> None:
         """Return slots to the allocator (deferred to ``free_group_end`` inside a free group)."""
-        self._check_indices(indices)
+        indices = self._check_indices(indices)
         if indices.numel() == 0:
             return
         if self._free_group is not None:
@@ -176,10 +176,11 @@ class BaseAllocator:
     def in_free_group(self) -> bool:
         return self._free_group is not None
 
-    def _check_indices(self, indices: torch.Tensor) -> None:
+    def _check_indices(self, indices: torch.Tensor) -> torch.Tensor:
+        """Check freed indices (see the module docstring for what costs what); return them as int64."""
         check_index_tensor(indices, self.device)
         if not (self.check_bounds or self.debug_checks) or indices.numel() == 0:
-            return
+            return indices.to(torch.int64)
         lo, hi = torch.stack(torch.aminmax(indices)).tolist()
         for bad in (lo, hi):
             if 0 <= bad < self._low:
@@ -189,6 +190,7 @@ class BaseAllocator:
                 )
             if not self._low <= bad <= self._high:
                 raise ValueError(f"slot {bad} out of range: valid slots are {self._low}..{self._high}")
+        return indices.to(torch.int64)
 
     # -- eviction contract --------------------------------------------------------------------
     def shortfall(self, num_tokens: int) -> EvictParams | None:

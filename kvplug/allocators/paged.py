@@ -127,17 +127,18 @@ class PagedAllocator(BaseAllocator):
         if total == 0:
             return pages  # empty int64 tensor
 
+        # per output token: its request, its position j in the request's extension, and k, its
+        # position among the request's tokens that go into new pages (< 0: the old partial page)
         req = torch.repeat_interleave(
             torch.arange(pre.numel(), device=self.device), ext, output_size=total
         )
-        # j: position of each new token within its request's extension
-        j = torch.arange(total, device=self.device) - (torch.cumsum(ext, 0) - ext)[req]
-        k = j - in_last_page[req]  # position among the tokens that go into new pages
-        out = last[req] + 1 + j
+        j = torch.arange(total, device=self.device) - (torch.cumsum(ext, 0) - ext).index_select(0, req)
+        k = j - in_last_page.index_select(0, req)
+        out = last.index_select(0, req) + 1 + j
         if num_new_pages:
-            first_page = (torch.cumsum(new_pages, 0) - new_pages)[req]
+            first_page = (torch.cumsum(new_pages, 0) - new_pages).index_select(0, req)
             kk = k.clamp(min=0)
-            page = pages[(first_page + kk // ps).clamp(max=num_new_pages - 1)]
+            page = pages.index_select(0, (first_page + kk // ps).clamp(max=num_new_pages - 1))
             out = torch.where(k >= 0, page * ps + kk % ps, out)
         return out
 

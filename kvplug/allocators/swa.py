@@ -141,28 +141,31 @@ class SWAAllocator(BaseAllocator):
         if n > self.full_available_size() or n > self.swa_available_size():
             return None
         full = self.full_allocator.alloc(n)
-        self.full_to_swa_index_mapping[full] = self.swa_allocator.alloc(n)
+        self.full_to_swa_index_mapping.scatter_(0, full, self.swa_allocator.alloc(n))
         return full
 
+    # index_select / scatter_ / index_fill_ / masked_select rather than ``map[idx]`` and
+    # ``x[mask]``: same results, several times faster on the CPU for large batches.
     def _release(self, indices: torch.Tensor) -> None:
-        swa = self.full_to_swa_index_mapping[indices]
-        mapped = swa[swa > 0]
+        swa = self.full_to_swa_index_mapping.index_select(0, indices)
+        mapped = torch.masked_select(swa, swa > 0)
         self.full_allocator._release(indices)  # raises (changing nothing) on a debug double free
         self.swa_allocator._release(mapped)
-        self.full_to_swa_index_mapping[indices] = 0
+        self.full_to_swa_index_mapping.index_fill_(0, indices, 0)
 
     def free_swa(self, indices: torch.Tensor) -> None:
         """Free only the window slots of these full slots (tokens that slid out of the window)."""
-        self._check_indices(indices)
+        indices = self._check_indices(indices)
         if indices.numel() == 0:
             return
-        swa = self.full_to_swa_index_mapping[indices]
-        self.swa_allocator._release(swa[swa > 0])
-        self.full_to_swa_index_mapping[indices] = 0
+        swa = self.full_to_swa_index_mapping.index_select(0, indices)
+        self.swa_allocator._release(torch.masked_select(swa, swa > 0))
+        self.full_to_swa_index_mapping.index_fill_(0, indices, 0)
 
     def translate_loc_from_full_to_swa(self, indices: torch.Tensor) -> torch.Tensor:
         """Window slots of full slots (0, the window padding slot, where unmapped). One gather."""
-        return self.full_to_swa_index_mapping[indices]
+        flat = self.full_to_swa_index_mapping.index_select(0, indices.reshape(-1))
+        return flat.view(indices.shape)
 
     def shortfall(self, num_tokens: int) -> EvictParams | None:
         """Per-pool shortfall: ``(n - full_available, n - swa_available)`` clipped at 0."""

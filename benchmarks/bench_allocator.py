@@ -1,0 +1,176 @@
+"""Allocator hot-path cost: alloc+free per decode step and per extend, on cpu and cuda.
+
+    python benchmarks/bench_allocator.py [--device auto|cpu|cuda] [--quick]
+
+For each case the median over ``--repeat`` timed runs of ``--inner`` iterations is printed as
+microseconds per step, nanoseconds per token and steps (alloc+free pairs) per second.
+``ratio`` compares with a reference free list that appends with ``torch.cat`` on every free (how
+SGLang's TokenToKVPoolAllocator keeps its free slots): above 1 means kvplug is faster.
+``checks=off`` rows disable the bounds check of freed indices, the one host sync per ``free``.
+No pool memory is allocated: allocators manage indices only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvplug.allocators import PagedAllocator, StandardAllocator, SWAAllocator
+
+CAPACITY = 1 << 18  # 262144 slots
+PAGE = 16
+
+
+class CatFreeList:
+    """Reference: free slots as a tensor that ``free`` grows with ``torch.cat``."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64, device=device)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return out
+
+    def free(self, indices: torch.Tensor) -> None:
+        self.free_slots = torch.cat((self.free_slots, indices))
+
+
+def timeit(step: Callable[[], None], device: torch.device, repeat: int, inner: int) -> float:
+    """Median seconds per ``step()`` call."""
+    for _ in range(max(2, inner // 4)):  # warm up
+        step()
+    samples = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(inner):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def alloc_free(allocator, n: int) -> Callable[[], None]:
+    def step() -> None:
+        allocator.free(allocator.alloc(n))
+
+    return step
+
+
+def paged_decode(allocator: PagedAllocator, batch: int, new_pages: bool) -> Callable[[], None]:
+    """One decode token per request; every request starts a page, or none does."""
+    dev = allocator.device
+    if new_pages:
+        seq = torch.full((batch,), PAGE + 1, dtype=torch.int64, device=dev)
+        last = torch.full((batch,), -1, dtype=torch.int64, device=dev)
+
+        def step() -> None:
+            allocator.free(allocator.alloc_decode(seq, last))
+
+        return step
+    held = allocator.alloc(batch * PAGE)  # each request owns one page with 3 tokens in it
+    seq = torch.full((batch,), 4, dtype=torch.int64, device=dev)
+    last = held[::PAGE] + 2
+
+    def step_in_page() -> None:
+        allocator.alloc_decode(seq, last)  # takes no page: nothing to free
+
+    return step_in_page
+
+
+def paged_extend(allocator: PagedAllocator, tokens: int, batch: int = 8) -> Callable[[], None]:
+    """A prefill batch of ``batch`` requests with cached prefixes ending mid-page."""
+    dev = allocator.device
+    per = tokens // batch
+    held = allocator.alloc(batch * PAGE)
+    pre = torch.full((batch,), 5, dtype=torch.int64, device=dev)
+    seq = pre + per
+    last = held[::PAGE] + 4
+
+    # free only the new pages (prefix pages stay held): one slot each, at fixed output positions
+    first = allocator.alloc_extend(pre, seq, last, per * batch)
+    new_page_starts = torch.nonzero(first % PAGE == 0).squeeze(1)
+    allocator.free(first[new_page_starts])
+
+    def step() -> None:
+        out = allocator.alloc_extend(pre, seq, last, per * batch)
+        allocator.free(out[new_page_starts])
+
+    return step
+
+
+def run_device(device: torch.device, args: argparse.Namespace) -> list[tuple]:
+    rows: list[tuple] = []
+    repeat, inner = args.repeat, args.inner
+    batches = [1, 8, 64, 512] if not args.quick else [1, 64, 512]
+    extends = [1024, 4096, 16384, 65536] if not args.quick else [1024, 65536]
+
+    def record(alloc_name, case, n, seconds, ref=None, checks="on"):
+        rows.append((str(device), alloc_name, checks, case, n, seconds, ref))
+
+    for checks in ("on", "off"):
+        kw = dict(device=device, check_bounds=checks == "on")
+        for n in batches:
+            std = StandardAllocator(CAPACITY, **kw)
+            ref = timeit(alloc_free(CatFreeList(CAPACITY, device), n), device, repeat, inner) if checks == "on" else None
+            record("standard", "decode", n, timeit(alloc_free(std, n), device, repeat, inner), ref, checks)
+            swa = SWAAllocator(CAPACITY, CAPACITY // 4, 4096, **kw)
+            record("swa", "decode", n, timeit(alloc_free(swa, n), device, repeat, inner), None, checks)
+            paged = PagedAllocator(CAPACITY, PAGE, **kw)
+            record("paged", "decode/new-page", n, timeit(paged_decode(paged, n, True), device, repeat, inner), None, checks)
+            paged = PagedAllocator(CAPACITY, PAGE, **kw)
+            record("paged", "decode/in-page", n, timeit(paged_decode(paged, n, False), device, repeat, inner), None, checks)
+        for n in extends:
+            std = StandardAllocator(CAPACITY, **kw)
+            ref = timeit(alloc_free(CatFreeList(CAPACITY, device), n), device, repeat, inner) if checks == "on" else None
+            record("standard", "extend", n, timeit(alloc_free(std, n), device, repeat, inner), ref, checks)
+            swa = SWAAllocator(CAPACITY, CAPACITY // 2, 4096, **kw)
+            record("swa", "extend", n, timeit(alloc_free(swa, n), device, repeat, inner), None, checks)
+            paged = PagedAllocator(CAPACITY, PAGE, **kw)
+            record("paged", "alloc+free", n, timeit(alloc_free(paged, n), device, repeat, inner), None, checks)
+            paged = PagedAllocator(CAPACITY, PAGE, **kw)
+            record("paged", "extend x8", n, timeit(paged_extend(paged, n), device, repeat, inner), None, checks)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cpu, plus cuda when torch sees one")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--repeat", type=int, default=None, help="timed runs per case (median taken)")
+    parser.add_argument("--inner", type=int, default=None, help="steps per timed run")
+    args = parser.parse_args()
+    args.repeat = args.repeat or (5 if args.quick else 9)
+    args.inner = args.inner or (20 if args.quick else 100)
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False")
+    devices = [torch.device(args.device)] if args.device != "auto" else [torch.device("cpu")]
+    if args.device == "auto" and torch.cuda.is_available():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} cpu threads, capacity {CAPACITY} slots, "
+          f"page {PAGE}, median of {args.repeat} x {args.inner} steps")
+    if torch.cuda.is_available():
+        print(f"cuda: {torch.cuda.get_device_name()}")
+    header = f"{'device':<7} {'allocator':<9} {'checks':<6} {'case':<16} {'tokens':>7} {'us/step':>9} {'ns/token':>9} {'steps/s':>10} {'ratio':>6}"
+    print(header)
+    print("-" * len(header))
+    for device in devices:
+        for dev, name, checks, case, n, sec, ref in run_device(device, args):
+            ratio = f"{ref / sec:6.2f}" if ref else ""
+            print(f"{dev:<7} {name:<9} {checks:<6} {case:<16} {n:>7} {sec * 1e6:>9.1f} {sec * 1e9 / n:>9.1f} "
+                  f"{1 / sec:>10.0f} {ratio:>6}")
+
+
+if __name__ == "__main__":
+    main()

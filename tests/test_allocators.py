@@ -253,6 +253,20 @@ def test_standard_free_group_checks_each_call_and_double_frees_at_the_end():
     assert a.available_size() == 4  # nothing of the rejected group was freed
 
 
+def test_standard_free_group_range_checks_once_at_the_end_without_debug_mode():
+    a = std(8)
+    held = a.alloc(4)
+    a.free_group_begin()
+    a.free(held[:2])
+    a.free(t(0))  # accepted for now: a group pays one range check (one host sync), at its end
+    with pytest.raises(TypeError, match="dtype torch.float32"):
+        a.free(t(1, dtype=torch.float32))  # metadata is checked at the call
+    with pytest.raises(ValueError, match="slot 0 is in the reserved padding page"):
+        a.free_group_end()
+    assert not a.in_free_group
+    assert snapshot(a) == (4, [5, 6, 7, 8])  # nothing of the rejected group was freed
+
+
 def test_standard_clear_frees_everything_and_drops_an_open_group():
     a = std(4, debug_checks=True)
     a.alloc(3)

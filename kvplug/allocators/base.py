@@ -1,11 +1,12 @@
 """What the built-in allocators share: a device free-id stack, index checks, free groups, shortfall.
 
 Cost model (documented in the README): ``alloc``/``free`` are a few device ops each and never
-reallocate. Checks that only read tensor metadata (type, dtype, rank, device) always run. The
-range check of freed indices (``check_bounds``, on by default) reduces the indices and reads
-two numbers back, i.e. one host sync per ``free`` call; batch frees with a free group so a
-scheduler step pays it once, or turn it off where a sync would stall an overlap scheduler.
-``debug_checks`` adds a device mask of free ids that catches double frees.
+reallocate. Checks that only read tensor metadata (type, dtype, rank, device) always run, at the
+call. The range check of freed indices (``check_bounds``, on by default) reduces the indices and
+reads two numbers back: one host sync per ``free`` call, or per free group, whose indices are
+checked together at ``free_group_end``. Turn it off where a sync would stall an overlap
+scheduler. ``debug_checks`` checks every call at once and adds a device mask of free ids that
+catches double frees.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class BaseAllocator:
     # -- freeing ------------------------------------------------------------------------------
     def free(self, indices: torch.Tensor) -> None:
         """Return slots to the allocator (deferred to ``free_group_end`` inside a free group)."""
-        indices = self._check_indices(indices)
+        indices = self._check_indices(indices, values=self._free_group is None or self.debug_checks)
         if indices.numel() == 0:
             return
         if self._free_group is not None:
@@ -152,16 +153,19 @@ class BaseAllocator:
         self._free_group = []
 
     def free_group_end(self) -> None:
-        """Release everything freed since ``free_group_begin`` at once.
+        """Release everything freed since ``free_group_begin`` at once, after one range check.
 
-        The group is closed even if the release raises (a debug-mode double free): then nothing
-        of the group was freed.
+        The group is closed even if a check fails (an index out of range, a debug-mode double
+        free): then nothing of the group is freed.
         """
         if self._free_group is None:
             raise RuntimeError("free_group_end() called without free_group_begin()")
         group, self._free_group = self._free_group, None
         if group:
-            self._release(group[0] if len(group) == 1 else torch.cat(group))
+            indices = group[0] if len(group) == 1 else torch.cat(group)
+            if not self.debug_checks:  # debug mode checked every call already
+                self._check_values(indices)
+            self._release(indices)
 
     @contextmanager
     def free_group(self) -> Iterator[None]:
@@ -176,11 +180,18 @@ class BaseAllocator:
     def in_free_group(self) -> bool:
         return self._free_group is not None
 
-    def _check_indices(self, indices: torch.Tensor) -> torch.Tensor:
-        """Check freed indices (see the module docstring for what costs what); return them as int64."""
+    def _check_indices(self, indices: torch.Tensor, *, values: bool = True) -> torch.Tensor:
+        """Check freed indices (metadata, and their range when ``values``); return them as int64."""
         check_index_tensor(indices, self.device)
+        indices = indices.to(torch.int64)
+        if values:
+            self._check_values(indices)
+        return indices
+
+    def _check_values(self, indices: torch.Tensor) -> None:
+        """Range check (one host sync), skipped when neither check option asks for it."""
         if not (self.check_bounds or self.debug_checks) or indices.numel() == 0:
-            return indices.to(torch.int64)
+            return
         lo, hi = torch.stack(torch.aminmax(indices)).tolist()
         for bad in (lo, hi):
             if 0 <= bad < self._low:
@@ -190,7 +201,6 @@ class BaseAllocator:
                 )
             if not self._low <= bad <= self._high:
                 raise ValueError(f"slot {bad} out of range: valid slots are {self._low}..{self._high}")
-        return indices.to(torch.int64)
 
     # -- eviction contract --------------------------------------------------------------------
     def shortfall(self, num_tokens: int) -> EvictParams | None:

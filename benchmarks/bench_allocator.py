@@ -1,6 +1,6 @@
 """Allocator hot-path cost: alloc+free per decode step and per extend, on cpu and cuda.
 
-    python benchmarks/bench_allocator.py [--device auto|cpu|cuda] [--quick]
+    python benchmarks/bench_allocator.py [--device auto|cpu|cuda] [--quick] [--threads N]
 
 For each case the median over ``--repeat`` timed runs of ``--inner`` iterations is printed as
 microseconds per step, nanoseconds per token and steps (alloc+free pairs) per second.
@@ -148,7 +148,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per case (median taken)")
     parser.add_argument("--inner", type=int, default=None, help="steps per timed run")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch cpu threads (default 1: a scheduler calls the allocator from one thread)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     args.repeat = args.repeat or (5 if args.quick else 9)
     args.inner = args.inner or (20 if args.quick else 100)
 

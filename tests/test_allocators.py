@@ -470,7 +470,9 @@ def test_paged_extend_of_an_empty_batch():
     [
         ((t(3), t(2), t(6), 0), ValueError, "seq_lens must be >= prefix_lens"),
         ((t(0), t(3), t(-1), 4), ValueError, r"extend_num_tokens=4 but sum\(seq_lens - prefix_lens\)=3"),
-        ((t(2), t(4), t(6), 2), ValueError, "last_loc whose offset in its page does not match"),
+        ((t(2), t(4), t(6), 2), ValueError, r"last_loc that is not a usable slot at offset \(prefix_len - 1\)"),
+        ((t(3), t(4), t(2), 1), ValueError, "1 request.s. have a last_loc that is not a usable slot"),
+        ((t(3), t(4), t(38), 1), ValueError, "last_loc that is not a usable slot"),
         ((t(0, 1), t(3), t(-1), 3), ValueError, "batch tensors differ in length: prefix_lens=2, seq_lens=1"),
         ((t(0), torch.tensor([3.0]), t(-1), 3), TypeError, "seq_lens has dtype torch.float32"),
         ((t(0), t(3), t(-1), -3), ValueError, "extend_num_tokens must be >= 0"),
@@ -499,8 +501,10 @@ def test_paged_decode_short_and_bad_input():
     assert a.alloc_decode(t(3), t(5)).tolist() == [6]
     with pytest.raises(ValueError, match="seq_lens < 1 or a last_loc"):
         a.alloc_decode(t(0), t(-1))
-    with pytest.raises(ValueError, match="does not match seq_len - 2"):
+    with pytest.raises(ValueError, match=r"not a usable slot at offset \(seq_len - 2\) % page_size"):
         a.alloc_decode(t(3), t(6))
+    with pytest.raises(ValueError, match="not a usable slot"):
+        a.alloc_decode(t(3), t(1))  # offset fits, but slot 1 is in the padding page
     assert a.alloc_decode(t(), t()).tolist() == []
     assert a.available_size() == 0
 

@@ -106,7 +106,7 @@ class PagedAllocator(BaseAllocator):
         new_pages = (seq + ps - 1) // ps - pages_before
         # tokens that continue the prefix's last partial page
         in_last_page = torch.minimum(seq, pages_before * ps) - pre
-        misplaced = (pre % ps != 0) & ((last + 1) % ps != pre % ps)
+        misplaced = (pre % ps != 0) & self._not_page_tail(last, pre)
         if pre.numel() == 0:
             stats = [0, 0, 0, 0]
         else:
@@ -118,8 +118,8 @@ class PagedAllocator(BaseAllocator):
             raise ValueError(f"extend_num_tokens={total} but sum(seq_lens - prefix_lens)={ext_sum}")
         if num_misplaced:
             raise ValueError(
-                f"{num_misplaced} request(s) have a last_loc whose offset in its page does not "
-                "match prefix_len - 1"
+                f"{num_misplaced} request(s) have a last_loc that is not a usable slot at offset "
+                "(prefix_len - 1) % page_size of its page"
             )
         if num_new_pages > len(self._stack):
             return None
@@ -152,22 +152,27 @@ class PagedAllocator(BaseAllocator):
         seq, last = self._batch(seq_lens=seq_lens, last_loc=last_loc)
         pre = seq - 1
         needs_page = pre % ps == 0
-        bad = (seq < 1) | (~needs_page & ((last + 1) % ps != pre % ps))
+        bad = (seq < 1) | (~needs_page & self._not_page_tail(last, pre))
         if seq.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         num_new_pages, num_bad = torch.stack([needs_page.sum(), bad.sum()]).tolist()
         if num_bad:
             raise ValueError(
-                f"{num_bad} request(s) have seq_lens < 1 or a last_loc whose offset in its page "
-                "does not match seq_len - 2"
+                f"{num_bad} request(s) have seq_lens < 1 or a last_loc that is not a usable slot "
+                "at offset (seq_len - 2) % page_size of its page"
             )
         if num_new_pages > len(self._stack):
             return None
         pages = self._stack.pop(num_new_pages)
         if not num_new_pages:
             return last + 1
-        rank = (torch.cumsum(needs_page, 0) - 1).clamp(min=0)
-        return torch.where(needs_page, pages[rank.clamp(max=num_new_pages - 1)] * ps, last + 1)
+        rank = (torch.cumsum(needs_page, 0) - 1).clamp(0, num_new_pages - 1)
+        return torch.where(needs_page, pages.index_select(0, rank) * ps, last + 1)
+
+    def _not_page_tail(self, last: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """Where ``last`` cannot be the slot of token ``length - 1``: wrong offset or not usable."""
+        ps = self.page_size
+        return ((last + 1) % ps != length % ps) | (last < self._low) | (last > self._high)
 
     def _batch(self, **tensors: torch.Tensor) -> list[torch.Tensor]:
         sizes = set()

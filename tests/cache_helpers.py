@@ -1,7 +1,12 @@
-"""Helpers shared by the cache tests: real allocators, policies by name, a recording event sink."""
+"""Helpers shared by the cache tests: real allocators, policies by name, a recording event sink.
+
+``KVPLUG_TEST_DEVICE`` (default ``cpu``) puts the allocators, and so every cache, on another
+device, e.g. ``KVPLUG_TEST_DEVICE=cuda pytest tests/test_radix_cache.py``.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -18,6 +23,8 @@ POLICIES = {registration.name: registration for registration in kvplug_eviction_
 
 POLICY_NAMES = tuple(POLICIES)
 
+DEVICE = os.environ.get("KVPLUG_TEST_DEVICE", "cpu")
+
 
 def new_policy_factory(name: str, **options: Any):
     """A ``new_policy`` callable for the named built-in policy (options validated by its model)."""
@@ -27,10 +34,10 @@ def new_policy_factory(name: str, **options: Any):
 
 
 def make_allocator(capacity: int, page_size: int = 1):
-    """A real CPU allocator with double-free detection on."""
+    """A real allocator on the test device, with double-free detection on."""
     if page_size == 1:
-        return StandardAllocator(capacity, device="cpu", debug_checks=True)
-    return PagedAllocator(capacity, page_size, device="cpu", debug_checks=True)
+        return StandardAllocator(capacity, device=DEVICE, debug_checks=True)
+    return PagedAllocator(capacity, page_size, device=DEVICE, debug_checks=True)
 
 
 def make_radix(

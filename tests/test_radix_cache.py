@@ -149,7 +149,7 @@ def test_bad_inserts_change_nothing():
         cache.insert("abcd", slots)
     assert (cache.total_size(), allocator.available_size(), _children(cache.root), cache.stats.as_dict()) == state
     # int32 slots and tensor keys are accepted
-    assert cache.insert(CacheKey(torch.tensor([1, 2, 7, 8])), slots.to(torch.int32)) == 2
+    assert cache.insert(CacheKey(torch.tensor([1, 2, 7, 8], device=slots.device)), slots.to(torch.int32)) == 2
     assert cache.total_size() == 5
 
 
@@ -166,7 +166,7 @@ def test_constructor_validation():
     assert RadixCache(allocator, page_size=8).page_size == 8
     ctx = PrefixCacheContext(allocator=allocator, new_policy=LRUPolicy, page_size=4)
     cache = RadixCache.from_context(ctx, RadixCacheOptions(granularity="leaf"))
-    assert (cache.page_size, cache.options.granularity, cache.device) == (4, "leaf", torch.device("cpu"))
+    assert (cache.page_size, cache.options.granularity, cache.device) == (4, "leaf", allocator.device)
 
 
 # -- locks --------------------------------------------------------------------------------------

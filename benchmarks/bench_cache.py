@@ -1,0 +1,230 @@
+"""Prefix-cache cost under memory pressure: kvplug's radix cache vs a rebuild-heap-per-evict baseline.
+
+Two workloads run on a full cache holding N evictable leaves (N = 1k, 10k, 100k), so every
+request must evict about its own size:
+
+* ``shared``: many requests over a few long system prompts, each with a unique suffix;
+* ``multiturn``: conversations whose every turn re-sends the whole history plus a new message.
+
+Each request does what an engine does: ``match_prefix``, lock, ``evict_from_tree_cache``,
+``alloc``, ``insert``, free the tail, unlock. Reported: median microseconds per request for
+match / evict / insert (evict includes the allocator's ``shortfall`` and ``alloc``), and the
+median over requests of evict nanoseconds per evicted token. The first 10% of requests warm up.
+
+The baseline is the same tree with SGLang 0.5.9's eviction: an incrementally kept *set* of
+evictable leaves, but a heap rebuilt from all of them on every ``evict`` call (O(N) per call).
+kvplug keeps the heap itself incrementally (lazy invalidation), so a call costs O(k log N).
+
+    python benchmarks/bench_cache.py            # N = 1k, 10k, 100k
+    python benchmarks/bench_cache.py --quick    # smaller N and fewer requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+from kvplug_hookspecs import CacheKey, EvictParams, EvictResult
+
+from kvplug.allocators.standard import StandardAllocator
+from kvplug.caches.radix import RadixCache
+from kvplug.eviction import evict_from_tree_cache
+from kvplug.policies import LRUPolicy
+
+SYSTEM_PROMPTS = 8
+SYSTEM_TOKENS = 512
+SUFFIX_TOKENS = 64  # a request's unique part, and the size of each prefilled leaf: N stays ~constant
+
+
+class RebuildHeapLRU:
+    """SGLang 0.5.9's evictable-leaf handling: a set kept incrementally, a heap built per evict."""
+
+    def __init__(self) -> None:
+        self._leaves: set[Any] = set()
+        self._heap: list[tuple[int, int, Any]] | None = None
+
+    def add(self, c: Any) -> None:
+        self._leaves.add(c)
+        if self._heap is not None:  # a parent that became a leaf during this eviction
+            heapq.heappush(self._heap, (c.last_access_time, c.node_id, c))
+
+    def discard(self, c: Any) -> None:
+        self._leaves.discard(c)
+
+    def touch(self, c: Any) -> None:
+        pass
+
+    def begin_evict(self) -> None:
+        self._heap = [(c.last_access_time, c.node_id, c) for c in self._leaves]
+        heapq.heapify(self._heap)
+
+    def end_evict(self) -> None:
+        self._heap = None
+
+    def pop(self) -> Any:
+        while self._heap:
+            c = heapq.heappop(self._heap)[2]
+            if c in self._leaves:
+                self._leaves.discard(c)
+                return c
+        return None
+
+    def clear(self) -> None:
+        self._leaves.clear()
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+    def __contains__(self, c: object) -> bool:
+        return c in self._leaves
+
+
+class RebuildHeapRadixCache(RadixCache):
+    """The same radix tree, evicting through a heap rebuilt from all evictable leaves per call."""
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        self._policy.begin_evict()
+        try:
+            return super().evict(params)
+        finally:
+            self._policy.end_evict()
+
+
+_VOCAB = range(1, 32000)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return rng.choices(_VOCAB, k=n)
+
+
+def build(kind: str, num_leaves: int, rng: random.Random) -> tuple[RadixCache, StandardAllocator]:
+    """A cache filled to capacity with ``num_leaves`` evictable 64-token leaves under 8 prompts."""
+    capacity = num_leaves * SUFFIX_TOKENS + SYSTEM_PROMPTS * SYSTEM_TOKENS
+    # the engine's running requests hold no memory here: every slot is cached and evictable
+    allocator = StandardAllocator(capacity, device="cpu", check_bounds=False)
+    if kind == "kvplug":
+        cache = RadixCache(allocator, LRUPolicy)
+    else:
+        cache = RebuildHeapRadixCache(allocator, RebuildHeapLRU)
+    systems = [_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
+    cache.insert(systems[0], allocator.alloc(SYSTEM_TOKENS))
+    for i in range(1, SYSTEM_PROMPTS):
+        cache.insert(systems[i], allocator.alloc(SYSTEM_TOKENS))
+    for i in range(num_leaves):
+        key = systems[i % SYSTEM_PROMPTS] + _tokens(rng, SUFFIX_TOKENS)
+        m = cache.match_prefix(key)
+        cache.insert(key, torch.cat([m.device_indices, allocator.alloc(len(key) - m.prefix_len)]))
+    allocator.alloc(allocator.available_size())  # the rare suffix collisions left a few slots
+    cache.systems = systems  # type: ignore[attr-defined]
+    return cache, allocator
+
+
+def serve(cache: RadixCache, allocator: StandardAllocator, key: list[int], times: dict[str, list[float]]) -> int:
+    """One request, engine style; returns tokens evicted."""
+    clock = time.perf_counter_ns
+    t0 = clock()
+    m = cache.match_prefix(key)
+    cache.inc_lock_ref(m.last_node)
+    t1 = clock()
+    need = len(key) - m.prefix_len
+    result = evict_from_tree_cache(cache, need)
+    new = allocator.alloc(need)
+    t2 = clock()
+    cache.insert(key, torch.cat([m.device_indices, new]))
+    cache.dec_lock_ref(m.last_node)
+    t3 = clock()
+    times["match"].append(t1 - t0)
+    times["evict"].append(t2 - t1)
+    times["insert"].append(t3 - t2)
+    return result.num_tokens if result else 0
+
+
+def shared_prefix_keys(cache: Any, rng: random.Random, n: int) -> list[list[int]]:
+    return [rng.choice(cache.systems) + _tokens(rng, SUFFIX_TOKENS) for _ in range(n)]
+
+
+def multiturn_keys(cache: Any, rng: random.Random, n: int, conversations: int = 16) -> list[list[int]]:
+    """Interleaved conversations: each turn = the previous turn + a 32-token answer + 32-token message."""
+    histories = [rng.choice(cache.systems) + _tokens(rng, 32) for _ in range(conversations)]
+    keys = []
+    for _ in range(n):
+        c = rng.randrange(conversations)
+        keys.append(histories[c])
+        histories[c] = histories[c] + _tokens(rng, 64)
+        if len(histories[c]) > SYSTEM_TOKENS + 1024:  # a new conversation
+            histories[c] = rng.choice(cache.systems) + _tokens(rng, 32)
+    return keys
+
+
+def run(kind: str, workload: str, num_leaves: int, requests: int, seed: int = 0) -> dict[str, float]:
+    rng = random.Random(seed)
+    cache, allocator = build(kind, num_leaves, rng)
+    maker = shared_prefix_keys if workload == "shared" else multiturn_keys
+    keys = maker(cache, rng, requests)
+    warmup = {"match": [], "evict": [], "insert": []}
+    for key in keys[: requests // 10]:
+        serve(cache, allocator, key, warmup)
+    gc.collect()
+    times: dict[str, list[float]] = {"match": [], "evict": [], "insert": []}
+    evicted = []
+    for key in keys[requests // 10 :]:
+        evicted.append(serve(cache, allocator, key, times))
+    per_token = [t / e for t, e in zip(times["evict"], evicted) if e]
+    leaves = len(cache._policy)  # evictable leaves at the end (nothing is locked between requests)
+    return {
+        "leaves": leaves,
+        "match_us": statistics.median(times["match"]) / 1e3,
+        "evict_us": statistics.median(times["evict"]) / 1e3,
+        "insert_us": statistics.median(times["insert"]) / 1e3,
+        "evict_ns_per_token": statistics.median(per_token),
+        "evicted_per_request": sum(evicted) / len(evicted),
+        "hit_rate": cache.stats.hit_rate,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="N = 1k, 10k and fewer requests")
+    parser.add_argument("--requests", type=int, default=None, help="requests per run (kvplug)")
+    args = parser.parse_args()
+    sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
+    requests = args.requests or (200 if args.quick else 1000)
+    baseline_requests = max(50, requests // 5)  # the baseline is O(N) per request
+
+    print(f"torch {torch.__version__}, LRU policy, {SUFFIX_TOKENS}-token leaves, page_size 1, cpu")
+    header = f"{'workload':<10} {'impl':<9} {'N':>7} {'N end':>7} {'reqs':>5} {'match us':>9} " \
+             f"{'evict us':>9} {'insert us':>9} {'evict ns/tok':>12} {'evicted/req':>11} {'hit':>5}"
+    print(header)
+    print("-" * len(header))
+    per_token: dict[tuple[str, str, int], float] = {}
+    for workload in ("shared", "multiturn"):
+        for n in sizes:
+            for kind, reqs in (("kvplug", requests), ("rebuild", baseline_requests)):
+                r = run(kind, workload, n, reqs)
+                per_token[(workload, kind, n)] = r["evict_ns_per_token"]
+                print(
+                    f"{workload:<10} {kind:<9} {n:>7} {r['leaves']:>7} {reqs:>5} {r['match_us']:>9.1f} "
+                    f"{r['evict_us']:>9.1f} "
+                    f"{r['insert_us']:>9.1f} {r['evict_ns_per_token']:>12.0f} "
+                    f"{r['evicted_per_request']:>11.1f} {r['hit_rate']:>5.2f}"
+                )
+    lo, hi = sizes[0], sizes[-1]
+    print()
+    for workload in ("shared", "multiturn"):
+        growth = per_token[(workload, "kvplug", hi)] / per_token[(workload, "kvplug", lo)]
+        base_growth = per_token[(workload, "rebuild", hi)] / per_token[(workload, "rebuild", lo)]
+        speedup = per_token[(workload, "rebuild", hi)] / per_token[(workload, "kvplug", hi)]
+        print(
+            f"{workload}: evict ns/token N={hi} vs N={lo}: kvplug x{growth:.2f}, rebuild x{base_growth:.1f}; "
+            f"rebuild / kvplug at N={hi}: x{speedup:.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

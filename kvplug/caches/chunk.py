@@ -52,7 +52,9 @@ class ChunkCache:
         options: ChunkCacheOptions | None = None,
     ) -> None:
         if options is not None and not isinstance(options, NoOptions):
-            raise TypeError(f"chunk options must be ChunkCacheOptions, got {type(options).__name__}")
+            raise TypeError(
+                f"chunk options must be ChunkCacheOptions, got {type(options).__name__}"
+            )
         if page_size is None:
             page_size = allocator.page_size
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
@@ -66,9 +68,13 @@ class ChunkCache:
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
     @classmethod
-    def from_context(cls, context: PrefixCacheContext, options: ChunkCacheOptions | None = None) -> ChunkCache:
+    def from_context(
+        cls, context: PrefixCacheContext, options: ChunkCacheOptions | None = None
+    ) -> ChunkCache:
         """The registered factory (the policy factory is unused: nothing is ever evictable)."""
-        return cls(context.allocator, page_size=context.page_size, events=context.events, options=options)
+        return cls(
+            context.allocator, page_size=context.page_size, events=context.events, options=options
+        )
 
     def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
         """Always the empty prefix."""
@@ -78,7 +84,9 @@ class ChunkCache:
         self.stats.match_query_tokens += len(ids)
         return MatchResult(device_indices=self._empty, last_node=None, prefix_len=0)
 
-    def insert(self, key: CacheKey | Sequence[int], indices: torch.Tensor, *, priority: int = 0) -> int:
+    def insert(
+        self, key: CacheKey | Sequence[int], indices: torch.Tensor, *, priority: int = 0
+    ) -> int:
         """Free ``indices[:aligned]`` (the cache owns and drops them); return 0."""
         key = as_cache_key(key)
         ids = as_token_ids(key.token_ids)
@@ -92,7 +100,7 @@ class ChunkCache:
 
     def _check_handle(self, node: Any) -> None:
         if node is not None:
-            raise TypeError(f"a chunk cache's only handle is None (from match_prefix), got {node!r}")
+            raise TypeError(f"a chunk cache's only handle is None (match_prefix's), got {node!r}")
 
     def inc_lock_ref(self, node: None) -> int:
         """Nothing to lock; returns 0."""
@@ -122,6 +130,9 @@ class ChunkCache:
     def all_values_flatten(self) -> torch.Tensor:
         """No cached slots."""
         return self._empty
+
+    def __repr__(self) -> str:
+        return f"ChunkCache(page_size={self.page_size})"
 
     def reset(self) -> None:
         """Nothing to drop; observers still hear of the reset."""

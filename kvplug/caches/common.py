@@ -42,15 +42,17 @@ def as_token_ids(token_ids: Any) -> tuple[int, ...]:
     spot-checked (first and last): scanning every token in Python would cost more than the match.
     """
     if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+        dtype = token_ids.dtype
+        if token_ids.dim() != 1 or dtype.is_floating_point or dtype == torch.bool:
             raise TypeError(
                 f"token ids given as a tensor must be 1-D integers, got shape "
-                f"{tuple(token_ids.shape)} dtype {token_ids.dtype}"
+                f"{tuple(token_ids.shape)} dtype {dtype}"
             )
         return tuple(token_ids.tolist())
     ids = tuple(token_ids)
     if ids and not (isinstance(ids[0], int) and isinstance(ids[-1], int)):
-        raise TypeError(f"token ids must be ints, got {type(ids[0]).__name__} / {type(ids[-1]).__name__}")
+        kinds = f"{type(ids[0]).__name__} / {type(ids[-1]).__name__}"
+        raise TypeError(f"token ids must be ints, got {kinds}")
     return ids
 
 
@@ -66,7 +68,8 @@ def check_indices(indices: Any, length: int, device: torch.device) -> torch.Tens
         raise TypeError(f"indices must be a torch.Tensor of slot ids, got {type(indices).__name__}")
     if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype == torch.bool:
         raise TypeError(
-            f"indices must be a 1-D integer tensor, got shape {tuple(indices.shape)} dtype {indices.dtype}"
+            f"indices must be a 1-D integer tensor, got shape {tuple(indices.shape)} "
+            f"dtype {indices.dtype}"
         )
     if indices.numel() != length:
         raise ValueError(f"indices has {indices.numel()} slots but the key has {length} tokens")

@@ -128,7 +128,9 @@ class RadixCache:
         if options is None:
             options = RadixCacheOptions()
         if not isinstance(options, RadixCacheOptions):
-            raise TypeError(f"radix options must be RadixCacheOptions, got {type(options).__name__}")
+            raise TypeError(
+                f"radix options must be RadixCacheOptions, got {type(options).__name__}"
+            )
         if page_size is None:
             page_size = allocator.page_size
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
@@ -154,7 +156,9 @@ class RadixCache:
         self._new_tree()
 
     @classmethod
-    def from_context(cls, context: PrefixCacheContext, options: RadixCacheOptions | None = None) -> RadixCache:
+    def from_context(
+        cls, context: PrefixCacheContext, options: RadixCacheOptions | None = None
+    ) -> RadixCache:
         """The registered factory: build over ``context.allocator`` with its policy and events."""
         return cls(
             context.allocator,
@@ -187,12 +191,16 @@ class RadixCache:
 
     # -- lookup and insert ----------------------------------------------------------------------
 
-    def _edge(self, parent: RadixNode, ids: tuple[int, ...], pos: int, extra_key: str | None) -> Any:
+    def _edge(
+        self, parent: RadixNode, ids: tuple[int, ...], pos: int, extra_key: str | None
+    ) -> Any:
         """Key of the child of ``parent`` that starts at ``ids[pos]``."""
         first = ids[pos] if self.page_size == 1 else ids[pos : pos + self.page_size]
         return (extra_key, first) if parent is self.root else first
 
-    def _common_len(self, node_key: tuple[int, ...], ids: tuple[int, ...], pos: int, end: int) -> int:
+    def _common_len(
+        self, node_key: tuple[int, ...], ids: tuple[int, ...], pos: int, end: int
+    ) -> int:
         """How many tokens of ``node_key`` equal ``ids[pos:end]``, in whole pages.
 
         The first page is known to match (it is the child key). Slices compare in C; a
@@ -231,7 +239,13 @@ class RadixCache:
         return head
 
     def _walk(
-        self, ids: tuple[int, ...], end: int, extra_key: str | None, *, hit: bool, priority: int | None
+        self,
+        ids: tuple[int, ...],
+        end: int,
+        extra_key: str | None,
+        *,
+        hit: bool,
+        priority: int | None,
     ) -> tuple[RadixNode, int, list[torch.Tensor]]:
         """Descend along ``ids[:end]``, stamping every matched node; split where the match ends
         inside a node. Returns the last matched node, the matched length and the slot tensors."""
@@ -273,7 +287,9 @@ class RadixCache:
         indices = torch.cat(values) if values else self._empty
         return MatchResult(device_indices=indices, last_node=node, prefix_len=pos)
 
-    def insert(self, key: CacheKey | Sequence[int], indices: torch.Tensor, *, priority: int = 0) -> int:
+    def insert(
+        self, key: CacheKey | Sequence[int], indices: torch.Tensor, *, priority: int = 0
+    ) -> int:
         """Cache ``key[:aligned]`` with slots ``indices[:aligned]``; return the length already
         cached. See the class docstring for who owns which slots afterwards.
 
@@ -291,7 +307,8 @@ class RadixCache:
         if pos < end:
             leaf = RadixNode(self._clock, priority)
             leaf.parent, leaf.edge = node, self._edge(node, ids, pos, key.extra_key)
-            leaf.key, leaf.value, leaf.num_tokens = ids[pos:end], indices[pos:end].clone(), end - pos
+            leaf.key, leaf.value = ids[pos:end], indices[pos:end].clone()
+            leaf.num_tokens = end - pos
             node.children[leaf.edge] = leaf
             self._policy.discard(node)  # no longer a leaf
             self._policy.add(leaf)

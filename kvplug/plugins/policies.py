@@ -25,7 +25,9 @@ def kvplug_eviction_policies() -> Iterator[EvictionPolicyRegistration]:
         name="lru", factory=LRUPolicy, description="least recently used first (default)"
     )
     yield EvictionPolicyRegistration(
-        name="lfu", factory=LFUPolicy, description="fewest prefix hits first, ties least recently used"
+        name="lfu",
+        factory=LFUPolicy,
+        description="fewest prefix hits first, ties least recently used",
     )
     yield EvictionPolicyRegistration(
         name="fifo", factory=FIFOPolicy, description="oldest inserted first; hits do not re-rank"

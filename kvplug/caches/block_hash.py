@@ -153,7 +153,6 @@ class BlockHashCache:
             self._hash = hashlib.sha256
         else:
             self._hash = lambda data: hashlib.blake2b(data, digest_size=16)
-        self._seeds: dict[str | None, bytes] = {}
         self._clock = 0
         self._init_state()
 
@@ -172,11 +171,8 @@ class BlockHashCache:
     # ----------------------------------------------------------------------------- hashing
     def _seed(self, extra_key: str | None) -> bytes:
         """The chain's starting digest for a namespace: every block hash covers it."""
-        seed = self._seeds.get(extra_key)
-        if seed is None:
-            tag = b"kvplug-none" if extra_key is None else b"kvplug-ns:" + extra_key.encode()
-            seed = self._seeds[extra_key] = self._hash(tag).digest()
-        return seed
+        tag = b"kvplug-none" if extra_key is None else b"kvplug-ns:" + extra_key.encode()
+        return self._hash(tag).digest()
 
     def _block_digests(self, ids: tuple[int, ...], extra_key: str | None, num_blocks: int):
         """Yield the chain digest of each of the first ``num_blocks`` blocks (lazily).
@@ -319,7 +315,8 @@ class BlockHashCache:
         """Free unreferenced tail blocks in policy order until ``params.num_tokens`` are freed.
 
         Frees whole blocks: at most ``num_tokens`` rounded up to ``page_size``; less when too
-        little is evictable (the caller decides to retract or preempt).
+        little is evictable (the caller decides to retract or preempt). ``swa_num_tokens`` and
+        ``mamba_num`` do not apply to this cache and are ignored.
         """
         if not isinstance(params, EvictParams):
             raise TypeError(f"evict expects EvictParams, got {type(params).__name__}")

@@ -399,7 +399,8 @@ class SWARadixCache:
         cached. The cache owns those slots afterwards (see the module docstring).
 
         ``swa_evicted_seqlen``: how many leading tokens already had their window side freed by
-        the caller (a multiple of ``page_size``); 0 when every window slot is live.
+        the caller (a multiple of ``page_size``, or the key length); 0 when every window slot
+        is live.
         """
         key = as_cache_key(key)
         ids = as_token_ids(key.token_ids)
@@ -408,10 +409,12 @@ class SWARadixCache:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if not isinstance(swa_evicted_seqlen, int) or isinstance(swa_evicted_seqlen, bool):
             raise TypeError(f"swa_evicted_seqlen must be an int, got {type(swa_evicted_seqlen).__name__}")
-        if not 0 <= swa_evicted_seqlen <= len(ids) or swa_evicted_seqlen % self.page_size:
+        if not 0 <= swa_evicted_seqlen <= len(ids) or (
+            swa_evicted_seqlen % self.page_size and swa_evicted_seqlen != len(ids)
+        ):
             raise ValueError(
                 f"swa_evicted_seqlen={swa_evicted_seqlen} must be a multiple of page_size={self.page_size} "
-                f"between 0 and the key length {len(ids)}"
+                f"(or the key length) between 0 and the key length {len(ids)}"
             )
         self._clock += 1
         end = len(ids) - len(ids) % self.page_size

@@ -1,4 +1,4 @@
-"""Prefix-cache cost under memory pressure: kvplug's radix cache vs a rebuild-heap-per-evict baseline.
+"""Prefix-cache cost under memory pressure: kvplug's radix cache vs a heap rebuilt per evict.
 
 Two workloads run on a full cache holding N evictable leaves (N = 1k, 10k, 100k), so every
 request must evict about its own size:
@@ -9,7 +9,9 @@ request must evict about its own size:
 Each request does what an engine does: ``match_prefix``, lock, ``evict_from_tree_cache``,
 ``alloc``, ``insert``, free the tail, unlock. Reported: median microseconds per request for
 match / evict / insert (evict includes the allocator's ``shortfall`` and ``alloc``), and the
-median over requests of evict nanoseconds per evicted token. The first 10% of requests warm up.
+median over requests of evict nanoseconds per evicted token. The first 10% of requests warm up;
+the garbage collector is off while timing unless ``--gc`` (with it on, the baseline's 100k-entry
+list per evict also triggers full collections of the whole tree and looks far worse).
 
 The baseline is the same tree with SGLang 0.5.9's eviction: an incrementally kept *set* of
 evictable leaves, but a heap rebuilt from all of them on every ``evict`` call (O(N) per call).
@@ -39,7 +41,7 @@ from kvplug.policies import LRUPolicy
 
 SYSTEM_PROMPTS = 8
 SYSTEM_TOKENS = 512
-SUFFIX_TOKENS = 64  # a request's unique part, and the size of each prefilled leaf: N stays ~constant
+SUFFIX_TOKENS = 64  # a request's unique part and each prefilled leaf's size: N stays ~constant
 
 
 class RebuildHeapLRU:
@@ -125,7 +127,9 @@ def build(kind: str, num_leaves: int, rng: random.Random) -> tuple[RadixCache, S
     return cache, allocator
 
 
-def serve(cache: RadixCache, allocator: StandardAllocator, key: list[int], times: dict[str, list[float]]) -> int:
+def serve(
+    cache: RadixCache, allocator: StandardAllocator, key: list[int], times: dict[str, list[float]]
+) -> int:
     """One request, engine style; returns tokens evicted."""
     clock = time.perf_counter_ns
     t0 = clock()
@@ -149,8 +153,11 @@ def shared_prefix_keys(cache: Any, rng: random.Random, n: int) -> list[list[int]
     return [rng.choice(cache.systems) + _tokens(rng, SUFFIX_TOKENS) for _ in range(n)]
 
 
-def multiturn_keys(cache: Any, rng: random.Random, n: int, conversations: int = 16) -> list[list[int]]:
-    """Interleaved conversations: each turn = the previous turn + a 32-token answer + 32-token message."""
+def multiturn_keys(
+    cache: Any, rng: random.Random, n: int, conversations: int = 16
+) -> list[list[int]]:
+    """Interleaved conversations: a turn = the previous turn + a 32-token answer + a 32-token
+    message."""
     histories = [rng.choice(cache.systems) + _tokens(rng, 32) for _ in range(conversations)]
     keys = []
     for _ in range(n):
@@ -162,7 +169,15 @@ def multiturn_keys(cache: Any, rng: random.Random, n: int, conversations: int = 
     return keys
 
 
-def run(kind: str, workload: str, num_leaves: int, requests: int, seed: int = 0) -> dict[str, float]:
+def run(
+    kind: str,
+    workload: str,
+    num_leaves: int,
+    requests: int,
+    *,
+    keep_gc: bool = False,
+    seed: int = 0,
+) -> dict[str, float]:
     rng = random.Random(seed)
     cache, allocator = build(kind, num_leaves, rng)
     maker = shared_prefix_keys if workload == "shared" else multiturn_keys
@@ -171,10 +186,15 @@ def run(kind: str, workload: str, num_leaves: int, requests: int, seed: int = 0)
     for key in keys[: requests // 10]:
         serve(cache, allocator, key, warmup)
     gc.collect()
+    if not keep_gc:
+        gc.disable()  # as timeit does: measure the algorithm, not when the collector runs
     times: dict[str, list[float]] = {"match": [], "evict": [], "insert": []}
     evicted = []
-    for key in keys[requests // 10 :]:
-        evicted.append(serve(cache, allocator, key, times))
+    try:
+        for key in keys[requests // 10 :]:
+            evicted.append(serve(cache, allocator, key, times))
+    finally:
+        gc.enable()
     per_token = [t / e for t, e in zip(times["evict"], evicted) if e]
     leaves = len(cache._policy)  # evictable leaves at the end (nothing is locked between requests)
     return {
@@ -192,12 +212,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="N = 1k, 10k and fewer requests")
     parser.add_argument("--requests", type=int, default=None, help="requests per run (kvplug)")
+    parser.add_argument(
+        "--gc", action="store_true", help="keep the garbage collector on while timing"
+    )
     args = parser.parse_args()
     sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
     requests = args.requests or (200 if args.quick else 1000)
     baseline_requests = max(50, requests // 5)  # the baseline is O(N) per request
 
-    print(f"torch {torch.__version__}, LRU policy, {SUFFIX_TOKENS}-token leaves, page_size 1, cpu")
+    print(
+        f"torch {torch.__version__}, LRU policy, {SUFFIX_TOKENS}-token leaves, page_size 1, cpu, "
+        f"gc {'on' if args.gc else 'off'} while timing"
+    )
     header = f"{'workload':<10} {'impl':<9} {'N':>7} {'N end':>7} {'reqs':>5} {'match us':>9} " \
              f"{'evict us':>9} {'insert us':>9} {'evict ns/tok':>12} {'evicted/req':>11} {'hit':>5}"
     print(header)
@@ -206,10 +232,11 @@ def main() -> None:
     for workload in ("shared", "multiturn"):
         for n in sizes:
             for kind, reqs in (("kvplug", requests), ("rebuild", baseline_requests)):
-                r = run(kind, workload, n, reqs)
+                r = run(kind, workload, n, reqs, keep_gc=args.gc)
                 per_token[(workload, kind, n)] = r["evict_ns_per_token"]
                 print(
-                    f"{workload:<10} {kind:<9} {n:>7} {r['leaves']:>7} {reqs:>5} {r['match_us']:>9.1f} "
+                    f"{workload:<10} {kind:<9} {n:>7} {r['leaves']:>7} {reqs:>5} "
+                    f"{r['match_us']:>9.1f} "
                     f"{r['evict_us']:>9.1f} "
                     f"{r['insert_us']:>9.1f} {r['evict_ns_per_token']:>12.0f} "
                     f"{r['evicted_per_request']:>11.1f} {r['hit_rate']:>5.2f}"
@@ -221,7 +248,8 @@ def main() -> None:
         base_growth = per_token[(workload, "rebuild", hi)] / per_token[(workload, "rebuild", lo)]
         speedup = per_token[(workload, "rebuild", hi)] / per_token[(workload, "kvplug", hi)]
         print(
-            f"{workload}: evict ns/token N={hi} vs N={lo}: kvplug x{growth:.2f}, rebuild x{base_growth:.1f}; "
+            f"{workload}: evict ns/token N={hi} vs N={lo}: kvplug x{growth:.2f}, "
+            f"rebuild x{base_growth:.1f}; "
             f"rebuild / kvplug at N={hi}: x{speedup:.1f}"
         )
 

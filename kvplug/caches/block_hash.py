@@ -76,7 +76,15 @@ class Block(CandidateStats):
     chained from it. It is in the policy's evictable set exactly when both are zero.
     """
 
-    __slots__ = ("block_hash", "digest", "parent", "indices", "num_tokens", "ref_count", "num_children")
+    __slots__ = (
+        "block_hash",
+        "digest",
+        "parent",
+        "indices",
+        "num_tokens",
+        "ref_count",
+        "num_children",
+    )
 
     def __init__(
         self,
@@ -128,7 +136,9 @@ class BlockHashCache:
         if options is None:
             options = BlockHashOptions()
         if not isinstance(options, BlockHashOptions):
-            raise TypeError(f"block_hash options must be BlockHashOptions, got {type(options).__name__}")
+            raise TypeError(
+                f"block_hash options must be BlockHashOptions, got {type(options).__name__}"
+            )
         if page_size is None:
             page_size = allocator.page_size
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
@@ -157,9 +167,17 @@ class BlockHashCache:
         self._init_state()
 
     @classmethod
-    def from_context(cls, ctx: PrefixCacheContext, options: BlockHashOptions | None = None) -> BlockHashCache:
+    def from_context(
+        cls, ctx: PrefixCacheContext, options: BlockHashOptions | None = None
+    ) -> BlockHashCache:
         """The registered factory: build over the context's allocator with one fresh policy."""
-        return cls(ctx.allocator, ctx.new_policy, page_size=ctx.page_size, events=ctx.events, options=options)
+        return cls(
+            ctx.allocator,
+            ctx.new_policy,
+            page_size=ctx.page_size,
+            events=ctx.events,
+            options=options,
+        )
 
     def _init_state(self) -> None:
         self.root = Block(0, 0, _EMPTY, None, None, 0)
@@ -228,7 +246,7 @@ class BlockHashCache:
 
     # ----------------------------------------------------------------------------- insert
     def insert(self, key: CacheKey | Sequence[int], indices: Any, *, priority: int = 0) -> int:
-        """Cache the full blocks of ``key`` with slots ``indices``; return the length already cached.
+        """Cache the full blocks of ``key`` with slots ``indices``; return the length cached before.
 
         The cache takes ownership of ``indices[:aligned_len]`` (``aligned_len`` = ``len(key)``
         rounded down to ``page_size``): slots duplicating already-cached blocks are freed here.
@@ -353,9 +371,13 @@ class BlockHashCache:
     # ----------------------------------------------------------------------------- locking
     def _check_handle(self, block: Any) -> Block:
         if not isinstance(block, Block):
-            raise TypeError(f"a lock handle is the last_node of a MatchResult, got {type(block).__name__}")
+            raise TypeError(
+                f"a lock handle is the last_node of a MatchResult, got {type(block).__name__}"
+            )
         if block is not self.root and self._blocks.get(block.digest) is not block:
-            raise ValueError(f"{block!r} is not cached in this cache (evicted, or from another cache)")
+            raise ValueError(
+                f"{block!r} is not cached in this cache (evicted, or from another cache)"
+            )
         return block
 
     def inc_lock_ref(self, node: Any) -> int:
@@ -378,7 +400,10 @@ class BlockHashCache:
         return -moved
 
     def dec_lock_ref(self, node: Any) -> int:
-        """Drop the reference ``inc_lock_ref(node)`` took; returns the change of ``evictable_size()``."""
+        """Drop the reference ``inc_lock_ref(node)`` took.
+
+        Returns the change of ``evictable_size()`` (zero or positive).
+        """
         block = self._check_handle(node)
         if block is not self.root and block.ref_count == 0:
             raise ValueError(f"dec_lock_ref on {block!r}, which holds no reference")
@@ -423,7 +448,8 @@ class BlockHashCache:
         """
         if self._protected_tokens:
             raise RuntimeError(
-                f"cannot reset: {self._protected_tokens} cached tokens are referenced by running requests"
+                f"cannot reset: {self._protected_tokens} cached tokens are referenced by "
+                "running requests"
             )
         dropped = self.total_size()
         if dropped:

@@ -122,8 +122,9 @@ class SWARadixNode(CandidateStats):
 
     def __repr__(self) -> str:
         return (
-            f"SWARadixNode(id={self.node_id}, tokens={self.num_tokens}, full_lock_ref={self.full_lock_ref}, "
-            f"swa_lock_ref={self.swa_lock_ref}, tombstone={self.swa_tombstone}, children={len(self.children)})"
+            f"SWARadixNode(id={self.node_id}, tokens={self.num_tokens}, "
+            f"full_lock_ref={self.full_lock_ref}, swa_lock_ref={self.swa_lock_ref}, "
+            f"tombstone={self.swa_tombstone}, children={len(self.children)})"
         )
 
 
@@ -152,8 +153,11 @@ class SWARadixCache:
         if options is None:
             options = SWARadixOptions()
         if not isinstance(options, SWARadixOptions):
-            raise TypeError(f"swa_radix options must be SWARadixOptions, got {type(options).__name__}")
-        missing = [m for m in ("free_swa", "swa_available_size", "full_available_size") if not hasattr(allocator, m)]
+            raise TypeError(
+                f"swa_radix options must be SWARadixOptions, got {type(options).__name__}"
+            )
+        needed = ("free_swa", "swa_available_size", "full_available_size")
+        missing = [m for m in needed if not hasattr(allocator, m)]
         if missing:
             raise TypeError(
                 f"swa_radix needs a sliding-window allocator (e.g. 'swa'); "
@@ -170,13 +174,16 @@ class SWARadixCache:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if page_size % allocator.page_size:
             raise ValueError(
-                f"page_size={page_size} is not a multiple of the allocator's page_size={allocator.page_size}"
+                f"page_size={page_size} is not a multiple of the allocator's "
+                f"page_size={allocator.page_size}"
             )
         make = new_policy or LRUPolicy
         full_policy, swa_policy = make(), make()
         for policy in (full_policy, swa_policy):
             if not isinstance(policy, EvictionPolicy):
-                raise TypeError(f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy")
+                raise TypeError(
+                    f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy"
+                )
         if full_policy is swa_policy:
             raise ValueError("new_policy() must return a fresh policy on every call")
         self.allocator = allocator
@@ -193,8 +200,10 @@ class SWARadixCache:
         self._new_tree()
 
     @classmethod
-    def from_context(cls, context: PrefixCacheContext, options: SWARadixOptions | None = None) -> SWARadixCache:
-        """The registered factory: build over ``context.allocator`` with two policies of its kind."""
+    def from_context(
+        cls, context: PrefixCacheContext, options: SWARadixOptions | None = None
+    ) -> SWARadixCache:
+        """The registered factory: ``context.allocator`` and two policies of the configured kind."""
         return cls(
             context.allocator,  # type: ignore[arg-type]
             context.new_policy,
@@ -262,12 +271,16 @@ class SWARadixCache:
 
     # -- tree helpers ---------------------------------------------------------------------------
 
-    def _edge(self, parent: SWARadixNode, ids: tuple[int, ...], pos: int, extra_key: str | None) -> Any:
-        """Key of the child of ``parent`` starting at ``ids[pos]``; the root's carry the namespace."""
+    def _edge(
+        self, parent: SWARadixNode, ids: tuple[int, ...], pos: int, extra_key: str | None
+    ) -> Any:
+        """Key of the child of ``parent`` at ``ids[pos]``; root children carry the namespace."""
         first = ids[pos] if self.page_size == 1 else ids[pos : pos + self.page_size]
         return (extra_key, first) if parent is self.root else first
 
-    def _common_len(self, node_key: tuple[int, ...], ids: tuple[int, ...], pos: int, end: int) -> int:
+    def _common_len(
+        self, node_key: tuple[int, ...], ids: tuple[int, ...], pos: int, end: int
+    ) -> int:
         """Equal tokens of ``node_key`` and ``ids[pos:end]`` in whole pages (the first page is
         known equal). Slices compare in C; a mismatch is found by bisection over pages."""
         page = self.page_size
@@ -311,7 +324,13 @@ class SWARadixCache:
         return head
 
     def _add_node(
-        self, parent: SWARadixNode, key: tuple[int, ...], value: torch.Tensor, edge: Any, tombstone: bool, priority: int
+        self,
+        parent: SWARadixNode,
+        key: tuple[int, ...],
+        value: torch.Tensor,
+        edge: Any,
+        tombstone: bool,
+        priority: int,
     ) -> SWARadixNode:
         node = SWARadixNode(self._clock, priority)
         node.parent, node.edge, node.key, node.value = parent, edge, key, value
@@ -327,7 +346,9 @@ class SWARadixCache:
 
     def _check_handle(self, node: Any) -> None:
         if not isinstance(node, SWARadixNode):
-            raise TypeError(f"expected an SWARadixNode from match_prefix, got {type(node).__name__}")
+            raise TypeError(
+                f"expected an SWARadixNode from match_prefix, got {type(node).__name__}"
+            )
         top = node
         while top.parent is not None:
             top = top.parent
@@ -385,7 +406,8 @@ class SWARadixCache:
             return MatchResult(device_indices=self._empty, last_node=self.root, prefix_len=0)
         values = [n.value for n in path[:best_count]]
         indices = torch.cat(values) if len(values) > 1 else values[0]
-        return MatchResult(device_indices=indices, last_node=path[best_count - 1], prefix_len=best_len)
+        last = path[best_count - 1]
+        return MatchResult(device_indices=indices, last_node=last, prefix_len=best_len)
 
     def insert(
         self,
@@ -408,13 +430,16 @@ class SWARadixCache:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if not isinstance(swa_evicted_seqlen, int) or isinstance(swa_evicted_seqlen, bool):
-            raise TypeError(f"swa_evicted_seqlen must be an int, got {type(swa_evicted_seqlen).__name__}")
+            raise TypeError(
+                f"swa_evicted_seqlen must be an int, got {type(swa_evicted_seqlen).__name__}"
+            )
         if not 0 <= swa_evicted_seqlen <= len(ids) or (
             swa_evicted_seqlen % self.page_size and swa_evicted_seqlen != len(ids)
         ):
             raise ValueError(
-                f"swa_evicted_seqlen={swa_evicted_seqlen} must be a multiple of page_size={self.page_size} "
-                f"(or the key length) between 0 and the key length {len(ids)}"
+                f"swa_evicted_seqlen={swa_evicted_seqlen} must be a multiple of "
+                f"page_size={self.page_size} (or the key length) between 0 and the key "
+                f"length {len(ids)}"
             )
         self._clock += 1
         end = len(ids) - len(ids) % self.page_size
@@ -483,7 +508,7 @@ class SWARadixCache:
         return pos
 
     def _revive(self, node: SWARadixNode, given: torch.Tensor) -> None:
-        """Give a tombstoned, unlocked node the caller's window-live slots; free its old full ones."""
+        """Give a tombstoned, unlocked node the caller's window-live slots; free its old ones."""
         self.allocator.free(node.value)  # their window side is already gone
         node.value = given.clone()
         node.swa_tombstone = False
@@ -619,9 +644,9 @@ class SWARadixCache:
                 self._refresh(node)  # the live tail goes back into the window set
 
         if full_victims:
-            self.allocator.free(torch.cat(full_victims) if len(full_victims) > 1 else full_victims[0])
+            self.allocator.free(torch.cat(full_victims))
         if swa_victims:
-            self.allocator.free_swa(torch.cat(swa_victims) if len(swa_victims) > 1 else swa_victims[0])
+            self.allocator.free_swa(torch.cat(swa_victims))
         stats = self.stats
         stats.evictions += 1
         stats.evicted_tokens += full_freed
@@ -651,7 +676,9 @@ class SWARadixCache:
         Refused while running requests hold locks (their slots would be freed under them).
         """
         if self._full_protected:
-            raise RuntimeError(f"cannot reset: {self._full_protected} cached tokens are locked by running requests")
+            raise RuntimeError(
+                f"cannot reset: {self._full_protected} cached tokens are locked by running requests"
+            )
         dropped = self.total_size()
         if dropped:
             self.allocator.free(self.all_values_flatten())

@@ -120,7 +120,8 @@ def build(cache_name: str, kind: str, num_leaves: int, rng: random.Random):
     policy = LRUPolicy if kind == "kvplug" else RebuildHeapLRU
     if cache_name == "block_hash":
         allocator = StandardAllocator(capacity, device="cpu", check_bounds=False)
-        cache = (BlockHashCache if kind == "kvplug" else RebuildBlockHash)(allocator, policy, page_size=BLOCK)
+        cls = BlockHashCache if kind == "kvplug" else RebuildBlockHash
+        cache = cls(allocator, policy, page_size=BLOCK)
     else:
         allocator = SWAAllocator(capacity, capacity // 2, WINDOW, device="cpu", check_bounds=False)
         cache = (SWARadixCache if kind == "kvplug" else RebuildSWARadix)(allocator, policy)
@@ -159,7 +160,7 @@ def serve(cache: Any, allocator: Any, key: list[int], times: dict[str, list[int]
     return result.num_tokens + result.swa_num_tokens
 
 
-def run(cache_name: str, kind: str, num_leaves: int, requests: int, seed: int = 0) -> dict[str, float]:
+def run(cache_name: str, kind: str, num_leaves: int, requests: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
     cache, allocator = build(cache_name, kind, num_leaves, rng)
     keys = [rng.choice(cache.systems) + _tokens(rng, SUFFIX_TOKENS) for _ in range(requests)]
@@ -191,10 +192,14 @@ def main() -> None:
     requests = args.requests or (200 if args.quick else 1000)
     baseline_requests = max(50, requests // 5)
 
-    print(f"torch {torch.__version__}, LRU, shared-prefix workload, cpu; block_hash blocks of {BLOCK}, "
-          f"swa_radix window {WINDOW} with a window pool of half the full pool")
-    header = (f"{'cache':<10} {'impl':<8} {'N':>7} {'cands':>7} {'reqs':>5} {'match us':>9} {'evict us':>9} "
-              f"{'insert us':>9} {'evict ns/tok':>12} {'evicted/req':>11} {'hit':>5}")
+    print(
+        f"torch {torch.__version__}, LRU, shared-prefix workload, cpu; block_hash blocks of "
+        f"{BLOCK}, swa_radix window {WINDOW} with a window pool of half the full pool"
+    )
+    header = (
+        f"{'cache':<10} {'impl':<8} {'N':>7} {'cands':>7} {'reqs':>5} {'match us':>9} "
+        f"{'evict us':>9} {'insert us':>9} {'evict ns/tok':>12} {'evicted/req':>11} {'hit':>5}"
+    )
     print(header)
     print("-" * len(header))
     per_token: dict[tuple[str, str, int], float] = {}
@@ -204,18 +209,20 @@ def main() -> None:
                 r = run(cache_name, kind, n, reqs)
                 per_token[(cache_name, kind, n)] = r["evict_ns_per_token"]
                 print(
-                    f"{cache_name:<10} {kind:<8} {n:>7} {r['candidates']:>7} {reqs:>5} {r['match_us']:>9.1f} "
-                    f"{r['evict_us']:>9.1f} {r['insert_us']:>9.1f} {r['evict_ns_per_token']:>12.0f} "
+                    f"{cache_name:<10} {kind:<8} {n:>7} {r['candidates']:>7} {reqs:>5} "
+                    f"{r['match_us']:>9.1f} {r['evict_us']:>9.1f} {r['insert_us']:>9.1f} "
+                    f"{r['evict_ns_per_token']:>12.0f} "
                     f"{r['evicted_per_request']:>11.1f} {r['hit_rate']:>5.2f}"
                 )
     lo, hi = sizes[0], sizes[-1]
     print()
     for cache_name in ("block_hash", "swa_radix"):
         growth = per_token[(cache_name, "kvplug", hi)] / per_token[(cache_name, "kvplug", lo)]
-        base_growth = per_token[(cache_name, "rebuild", hi)] / per_token[(cache_name, "rebuild", lo)]
+        base = per_token[(cache_name, "rebuild", hi)] / per_token[(cache_name, "rebuild", lo)]
         speedup = per_token[(cache_name, "rebuild", hi)] / per_token[(cache_name, "kvplug", hi)]
         print(
-            f"{cache_name}: evict ns/token N={hi} vs N={lo}: kvplug x{growth:.2f}, rebuild x{base_growth:.1f}; "
+            f"{cache_name}: evict ns/token N={hi} vs N={lo}: kvplug x{growth:.2f}, "
+            f"rebuild x{base:.1f}; "
             f"rebuild / kvplug at N={hi}: x{speedup:.1f}"
         )
 

@@ -10,7 +10,13 @@ from pydantic import ValidationError
 from kvplug.caches.block_hash import Block, BlockHashCache, BlockHashOptions
 from kvplug.eviction import evict_from_tree_cache
 from kvplug.policies import LRUPolicy
-from tests.cache_helpers import RecordingEvents, cached_slots, make_allocator, new_policy_factory, put
+from tests.cache_helpers import (
+    RecordingEvents,
+    cached_slots,
+    make_allocator,
+    new_policy_factory,
+    put,
+)
 
 
 def make_cache(capacity=64, page_size=4, policy="lru", events=None, options=None, **policy_options):
@@ -63,7 +69,8 @@ def test_extending_a_cached_prefix_adds_only_the_new_blocks():
     assert cache.insert(list(range(16)), torch.cat([m.device_indices, new])) == 8
     assert (cache.num_blocks(), cache.total_size()) == (4, 16)
     assert allocator.available_size() == 48  # identical slots kept, nothing freed or leaked
-    assert cache.match_prefix(list(range(16))).device_indices.tolist() == [*first.tolist(), *new.tolist()]
+    both = [*first.tolist(), *new.tolist()]
+    assert cache.match_prefix(list(range(16))).device_indices.tolist() == both
 
 
 def test_insert_frees_the_callers_duplicate_slots():
@@ -108,7 +115,8 @@ def test_hashes_are_deterministic_across_caches_and_chain_the_namespace():
     events_a, events_b, events_c = RecordingEvents(), RecordingEvents(), RecordingEvents()
     cache_a, alloc_a = make_cache(events=events_a)
     cache_b, alloc_b = make_cache(events=events_b)
-    cache_c, alloc_c = make_cache(events=events_c, options=BlockHashOptions(hash_algorithm="blake2b"))
+    blake = BlockHashOptions(hash_algorithm="blake2b")
+    cache_c, alloc_c = make_cache(events=events_c, options=blake)
     put(cache_a, alloc_a, list(range(8)))
     put(cache_b, alloc_b, list(range(8)))
     put(cache_b, alloc_b, list(range(8)), extra_key="salt")
@@ -131,7 +139,8 @@ def test_references_protect_blocks_and_move_tokens_between_sizes():
     assert cache.inc_lock_ref(m.last_node) == -8
     assert sizes(cache, allocator) == (20, 4, 8)
     assert cache.inc_lock_ref(m.last_node) == 0  # a second request on the same prefix
-    assert cache.evict(EvictParams(num_tokens=32)) == EvictResult(num_tokens=4)  # only the free tail
+    # only the unreferenced tail block can go
+    assert cache.evict(EvictParams(num_tokens=32)) == EvictResult(num_tokens=4)
     assert sizes(cache, allocator) == (24, 0, 8)
     assert cache.dec_lock_ref(m.last_node) == 0
     assert cache.dec_lock_ref(m.last_node) == 8
@@ -234,7 +243,7 @@ def test_policies_order_blocks(policy, expected):
 
 
 def _filled(capacity, free, prompt, page_size):
-    """A cache whose allocator has ``free`` slots left, the rest cached as ``prompt``-token prompts."""
+    """A cache whose allocator has ``free`` slots left, the rest cached in ``prompt``-token keys."""
     cache, allocator = make_cache(capacity=capacity, page_size=page_size)
     first = 0
     while allocator.available_size() > free:
@@ -276,7 +285,8 @@ def test_too_little_evictable_frees_what_it_can():
     cache.inc_lock_ref(cache.match_prefix([1] * 8).last_node)
     assert evict_from_tree_cache(cache, 32) == EvictResult(num_tokens=8)
     assert sizes(cache, allocator) == (24, 0, 8)
-    assert cache.evict(EvictParams(num_tokens=4, swa_num_tokens=4)) == EvictResult()  # no window pool
+    no_window_pool = EvictParams(num_tokens=4, swa_num_tokens=4)
+    assert cache.evict(no_window_pool) == EvictResult()
 
 
 # -- events, counters, reset, construction, bad input -------------------------------------------

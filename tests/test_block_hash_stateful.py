@@ -14,7 +14,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from kvplug_hookspecs import CacheKey, EvictParams
 
 from kvplug.caches.block_hash import BlockHashCache
@@ -22,7 +29,7 @@ from kvplug.eviction import evict_from_tree_cache
 from tests.cache_helpers import POLICY_NAMES, make_allocator, new_policy_factory
 
 CAPACITY = 64
-BASES = [[100 + 10 * b + i % 7 for i in range(24)] for b in range(3)]  # a few shared "system prompts"
+BASES = [[100 + 10 * b + i % 7 for i in range(24)] for b in range(3)]  # shared "system prompts"
 
 keys = st.builds(
     lambda base, cut, suffix, ns: CacheKey(BASES[base][:cut] + suffix, ns),
@@ -44,7 +51,8 @@ class BlockHashMachine(RuleBasedStateMachine):
     def setup(self, page):
         self.page = page
         self.allocator = make_allocator(CAPACITY, page)
-        self.cache = BlockHashCache(self.allocator, new_policy_factory(self.policy_name), page_size=page)
+        policy = new_policy_factory(self.policy_name)
+        self.cache = BlockHashCache(self.allocator, policy, page_size=page)
         self.requests: list[dict] = []
         self.content: dict[int, tuple] = {}  # slot -> (namespace, token prefix it holds the KV of)
 
@@ -55,7 +63,8 @@ class BlockHashMachine(RuleBasedStateMachine):
         assert m.prefix_len % self.page == 0 and m.prefix_len <= len(ids)
         assert len(m.device_indices) == m.prefix_len
         for i, slot in enumerate(m.device_indices.tolist()):
-            assert self.content[slot] == (key.extra_key, tuple(ids[: i + 1])), "a match returned foreign KV"
+            expected = (key.extra_key, tuple(ids[: i + 1]))
+            assert self.content[slot] == expected, "a match returned foreign KV"
 
     def _check_eviction(self, asked: int, evictable_before: int, freed: int) -> None:
         assert freed <= round_up(asked, self.page)
@@ -67,7 +76,7 @@ class BlockHashMachine(RuleBasedStateMachine):
 
     @rule(key=keys, priority=st.integers(0, 3), recompute=st.booleans())
     def start_request(self, key, priority, recompute):
-        """``recompute``: skip the cache (fresh slots for every token), so insert meets duplicates."""
+        """``recompute``: skip the cache (fresh slots for every token): insert meets duplicates."""
         m = self.cache.match_prefix(CacheKey([], key.extra_key) if recompute else key)
         self._check_match(key, m)
         self.cache.inc_lock_ref(m.last_node)
@@ -131,9 +140,11 @@ class BlockHashMachine(RuleBasedStateMachine):
     def conservation_and_ownership(self):
         cache, allocator = self.cache, self.allocator
         held = sum(r["own"].numel() for r in self.requests)
-        assert allocator.available_size() + cache.evictable_size() + cache.protected_size() + held == CAPACITY
+        cached_sizes = cache.evictable_size() + cache.protected_size()
+        assert allocator.available_size() + cached_sizes + held == CAPACITY
         cached = cache.all_values_flatten().tolist()
-        assert len(cached) == len(set(cached)) == cache.total_size() == cache.num_blocks() * self.page
+        assert len(cached) == len(set(cached)) == cache.total_size()
+        assert cache.total_size() == cache.num_blocks() * self.page
         own = [s for r in self.requests for s in r["own"].tolist()]
         assert not set(cached) & set(own)
         locked = set()

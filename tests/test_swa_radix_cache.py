@@ -1,4 +1,4 @@
-"""SWARadixCache scenarios with exact numbers, through the public API and the real ``swa`` allocator."""
+"""SWARadixCache scenarios with exact numbers, through the public API and the ``swa`` allocator."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ from kvplug.allocators.swa import SWAAllocator
 from kvplug.caches.swa_radix import SWARadixCache, SWARadixNode, SWARadixOptions
 from kvplug.eviction import evict_from_tree_cache
 from kvplug.policies import LRUPolicy
-from tests.cache_helpers import RecordingEvents, cached_slots, make_allocator, new_policy_factory, put
+from tests.cache_helpers import (
+    RecordingEvents,
+    cached_slots,
+    make_allocator,
+    new_policy_factory,
+    put,
+)
 
 
-def make_swa(capacity=64, swa_capacity=32, window=4, policy="lru", page_size=None, events=None, options=None):
+def make_swa(capacity=64, swa_capacity=32, window=4, policy="lru", page_size=None, **kwargs):
     allocator = SWAAllocator(capacity, swa_capacity, window, device="cpu", debug_checks=True)
-    cache = SWARadixCache(
-        allocator, new_policy_factory(policy), page_size=page_size, events=events, options=options
-    )
+    cache = SWARadixCache(allocator, new_policy_factory(policy), page_size=page_size, **kwargs)
     return cache, allocator
 
 
@@ -91,7 +95,8 @@ def test_a_tombstone_is_crossed_when_a_full_window_follows_it():
     put(cache, allocator, A + B)
     cache.match_prefix(A + [99])  # split: A and B are two nodes; LRU times grow root to leaf
     cache.match_prefix(A + B)
-    assert cache.evict(EvictParams(swa_num_tokens=8)) == EvictResult(swa_num_tokens=8)  # A, root-side
+    # A goes: root-side nodes are the least recently used
+    assert cache.evict(EvictParams(swa_num_tokens=8)) == EvictResult(swa_num_tokens=8)
     assert swa_sizes(cache, allocator) == (24, 8, 0)
     assert cache.match_prefix(A + B).prefix_len == 16  # 8 live tokens after the tombstone
     assert cache.match_prefix(A + B[:4]).prefix_len == 12  # exactly one window
@@ -117,7 +122,8 @@ def test_full_and_window_eviction_report_separately():
     put(cache, allocator, B)
     cache.match_prefix(A)  # B is now the LRU leaf
     # 4 full tokens: B's tail (both pools); then 6 more window tokens: B's head and 2 of A
-    assert cache.evict(EvictParams(num_tokens=4, swa_num_tokens=10)) == EvictResult(num_tokens=4, swa_num_tokens=10)
+    result = cache.evict(EvictParams(num_tokens=4, swa_num_tokens=10))
+    assert result == EvictResult(num_tokens=4, swa_num_tokens=10)
     assert full_sizes(cache, allocator) == (52, 12, 0)
     assert swa_sizes(cache, allocator) == (26, 6, 0)
     assert cache.stats.evicted_tokens == 4 and cache.stats.swa_evicted_tokens == 10
@@ -135,7 +141,8 @@ def test_swa_shortfall_full_10_window_3_need_8_evicts_0_and_5():
     assert (allocator.full_available_size(), allocator.swa_available_size()) == (10, 3)
     assert evict_from_tree_cache(cache, 8) == EvictResult(num_tokens=0, swa_num_tokens=5)
     assert (allocator.full_available_size(), allocator.swa_available_size()) == (10, 8)
-    assert full_sizes(cache, allocator)[1:] == (17, 0) and swa_sizes(cache, allocator)[1:] == (12, 0)
+    assert full_sizes(cache, allocator)[1:] == (17, 0)
+    assert swa_sizes(cache, allocator)[1:] == (12, 0)
     assert cache.match_prefix(list(range(17))).prefix_len == 17  # the live tail still matches
     assert allocator.alloc(8) is not None
     assert evict_from_tree_cache(cache, 2) == EvictResult(num_tokens=0, swa_num_tokens=2)
@@ -159,7 +166,8 @@ def _chain(cache, allocator):
     cache.match_prefix(A + [99])
     cache.match_prefix(A + B[:2] + [99])
     handle = cache.match_prefix(A + B[:2] + C).last_node
-    assert (handle.num_tokens, handle.parent.num_tokens, handle.parent.parent.num_tokens) == (2, 2, 8)
+    b, a = handle.parent, handle.parent.parent
+    assert (handle.num_tokens, b.num_tokens, a.num_tokens) == (2, 2, 8)
     return handle
 
 
@@ -170,7 +178,8 @@ def test_lock_protects_full_to_the_root_and_the_window_only_over_the_last_window
     assert full_sizes(cache, allocator) == (52, 0, 12)
     assert swa_sizes(cache, allocator) == (20, 8, 4)  # window lock on C and B only
     # A's window is outside every window lock: it can be tombstoned; no full token can go
-    assert cache.evict(EvictParams(num_tokens=12, swa_num_tokens=12)) == EvictResult(swa_num_tokens=8)
+    result = cache.evict(EvictParams(num_tokens=12, swa_num_tokens=12))
+    assert result == EvictResult(swa_num_tokens=8)
     assert full_sizes(cache, allocator) == (52, 0, 12) and swa_sizes(cache, allocator) == (28, 0, 4)
     assert cache.dec_lock_ref(handle) == 12
     assert full_sizes(cache, allocator) == (52, 12, 0) and swa_sizes(cache, allocator) == (28, 4, 0)
@@ -275,7 +284,8 @@ def test_events_report_full_and_window_removal():
     put(cache, allocator, A)
     assert [(e.cache, e.num_tokens) for e in events.stored] == [("swa_radix", 8)]
     cache.evict(EvictParams(num_tokens=2, swa_num_tokens=5))
-    assert [(e.num_tokens, e.reason) for e in events.removed] == [(2, "evicted"), (3, "swa_evicted")]
+    removed = [(e.num_tokens, e.reason) for e in events.removed]
+    assert removed == [(2, "evicted"), (3, "swa_evicted")]
     cache.reset()
     assert events.cleared[-1].num_tokens == 6
 
@@ -308,7 +318,11 @@ def test_bad_input_is_rejected_without_state_change():
     cache, allocator = make_swa()
     put(cache, allocator, A)
     slots = allocator.alloc(8)
-    before = (full_sizes(cache, allocator), swa_sizes(cache, allocator), cache.stats.inserted_tokens)
+    def state():
+        inserted = cache.stats.inserted_tokens
+        return full_sizes(cache, allocator), swa_sizes(cache, allocator), inserted
+
+    before = state()
     with pytest.raises(ValueError, match="7 slots but the key has 8"):
         cache.insert(B, slots[:7])
     with pytest.raises(TypeError, match="integer tensor"):
@@ -321,7 +335,7 @@ def test_bad_input_is_rejected_without_state_change():
         cache.evict({"num_tokens": 1})
     with pytest.raises(ValidationError, match="swa_num_tokens"):
         EvictParams(swa_num_tokens=-1)
-    assert (full_sizes(cache, allocator), swa_sizes(cache, allocator), cache.stats.inserted_tokens) == before
+    assert state() == before
     assert cache.insert(B, slots) == 0
 
 

@@ -16,7 +16,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from kvplug_hookspecs import CacheKey, EvictParams
 
 from kvplug.allocators.swa import SWAAllocator
@@ -47,9 +54,10 @@ class SWARadixMachine(RuleBasedStateMachine):
     def setup(self, window, page):
         self.window, self.page = window, page
         self.allocator = SWAAllocator(FULL, WINDOW_POOL, window, device="cpu", debug_checks=True)
-        self.cache = SWARadixCache(self.allocator, new_policy_factory(self.policy_name), page_size=page)
+        policy = new_policy_factory(self.policy_name)
+        self.cache = SWARadixCache(self.allocator, policy, page_size=page)
         self.requests: list[dict] = []
-        self.content: dict[int, tuple] = {}  # full slot -> (namespace, token prefix it holds the KV of)
+        self.content: dict[int, tuple] = {}  # full slot -> (namespace, prefix it holds the KV of)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -61,15 +69,17 @@ class SWARadixMachine(RuleBasedStateMachine):
         assert m.prefix_len % self.page == 0 and m.prefix_len <= len(ids)
         assert len(m.device_indices) == m.prefix_len
         for i, slot in enumerate(m.device_indices.tolist()):
-            assert self.content[slot] == (key.extra_key, tuple(ids[: i + 1])), "a match returned foreign KV"
+            expected = (key.extra_key, tuple(ids[: i + 1]))
+            assert self.content[slot] == expected, "a match returned foreign KV"
         assert self._live(m.device_indices[-self.window :]), "a match whose last window is not live"
 
-    def _check_eviction(self, params: EvictParams, before: tuple[int, int, int, int], result) -> None:
+    def _check_eviction(self, params: EvictParams, before: tuple[int, ...], result) -> None:
         full_evictable, swa_evictable, full_free, swa_free = before
         page = self.page
         assert result.num_tokens <= round_up(params.num_tokens, page)
         assert result.num_tokens >= min(params.num_tokens, full_evictable)
-        assert result.swa_num_tokens <= max(round_up(params.num_tokens, page), round_up(params.swa_num_tokens, page))
+        swa_bound = max(round_up(params.num_tokens, page), round_up(params.swa_num_tokens, page))
+        assert result.swa_num_tokens <= swa_bound
         assert result.swa_num_tokens >= min(params.swa_num_tokens, swa_evictable)
         assert self.allocator.full_available_size() == full_free + result.num_tokens
         assert self.allocator.swa_available_size() == swa_free + result.swa_num_tokens
@@ -86,7 +96,7 @@ class SWARadixMachine(RuleBasedStateMachine):
 
     @rule(key=keys, priority=st.integers(0, 3), recompute=st.booleans())
     def start_request(self, key, priority, recompute):
-        """``recompute``: skip the cache (fresh slots for every token), so insert meets duplicates."""
+        """``recompute``: skip the cache (fresh slots for every token): insert meets duplicates."""
         m = self.cache.match_prefix(CacheKey([], key.extra_key) if recompute else key)
         self._check_match(key, m)
         self.cache.inc_lock_ref(m.last_node)
@@ -104,7 +114,14 @@ class SWARadixMachine(RuleBasedStateMachine):
         for i, slot in enumerate(own.tolist()):
             self.content[slot] = (key.extra_key, tuple(ids[: m.prefix_len + i + 1]))
         self.requests.append(
-            dict(key=key, handle=m.last_node, matched=m.device_indices, own=own, slid=0, priority=priority)
+            dict(
+                key=key,
+                handle=m.last_node,
+                matched=m.device_indices,
+                own=own,
+                slid=0,
+                priority=priority,
+            )
         )
 
     @precondition(lambda self: self.requests)
@@ -136,7 +153,9 @@ class SWARadixMachine(RuleBasedStateMachine):
         prefix_len = len(req["matched"])
         indices = torch.cat([req["matched"], req["own"]])
         swa_evicted = prefix_len + req["slid"] if req["slid"] else 0
-        cached = self.cache.insert(req["key"], indices, priority=req["priority"], swa_evicted_seqlen=swa_evicted)
+        cached = self.cache.insert(
+            req["key"], indices, priority=req["priority"], swa_evicted_seqlen=swa_evicted
+        )
         assert cached >= prefix_len  # the locked prefix cannot have gone
         aligned = length // self.page * self.page
         tail = req["own"][aligned - prefix_len :]
@@ -169,11 +188,10 @@ class SWARadixMachine(RuleBasedStateMachine):
         cache, allocator = self.cache, self.allocator
         held = sum(r["own"].numel() for r in self.requests)
         held_window = held - sum(r["slid"] for r in self.requests)
-        assert allocator.full_available_size() + cache.evictable_size() + cache.protected_size() + held == FULL
-        assert (
-            allocator.swa_available_size() + cache.swa_evictable_size() + cache.swa_protected_size() + held_window
-            == WINDOW_POOL
-        )
+        full_cached = cache.evictable_size() + cache.protected_size()
+        swa_cached = cache.swa_evictable_size() + cache.swa_protected_size()
+        assert allocator.full_available_size() + full_cached + held == FULL
+        assert allocator.swa_available_size() + swa_cached + held_window == WINDOW_POOL
         values = cache.all_values_flatten()
         cached = values.tolist()
         assert len(cached) == len(set(cached)) == cache.total_size()

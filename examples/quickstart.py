@@ -14,10 +14,10 @@ import warnings
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch without numpy
 
-import torch  # noqa: E402
+import torch
 
-import kvplug  # noqa: E402
-from kvplug import CacheKey  # noqa: E402
+import kvplug
+from kvplug import CacheKey
 
 DEFAULT = {
     "allocator": "standard",

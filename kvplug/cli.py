@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from kvplug_hookspecs import KVCacheConfig
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
-
-from kvplug_hookspecs import KVCacheConfig
 
 from . import __version__
 from .config import ConfigError, load_config

@@ -26,8 +26,6 @@ from importlib import import_module, metadata
 from typing import Any
 
 import pluggy
-from pydantic import BaseModel, ValidationError
-
 from kvplug_hookspecs import (
     PROJECT_NAME,
     AllocatorRegistration,
@@ -41,6 +39,7 @@ from kvplug_hookspecs import (
     PrefixStored,
     hookspecs,
 )
+from pydantic import BaseModel, ValidationError
 
 from .plugins import BUILTIN_PLUGINS
 
@@ -469,7 +468,7 @@ class _HookEvents:
     metrics plugin neither breaks the cache nor hides the event from the other observers.
     """
 
-    __slots__ = ("_stored", "_removed", "_cleared")
+    __slots__ = ("_cleared", "_removed", "_stored")
 
     def __init__(self, stored: list, removed: list, cleared: list) -> None:
         self._stored, self._removed, self._cleared = stored, removed, cleared

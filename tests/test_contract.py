@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-from pydantic import ValidationError
-
-import kvplug
 import kvplug_hookspecs as hs
+import pytest
 from kvplug_hookspecs import (
     ComponentSelection,
     EvictionPolicyRegistration,
@@ -16,6 +13,9 @@ from kvplug_hookspecs import (
     KVCacheConfig,
     PoolGeometry,
 )
+from pydantic import ValidationError
+
+import kvplug
 
 
 def test_kvplug_reexports_the_contract():

@@ -5,6 +5,14 @@ from __future__ import annotations
 import logging
 
 import pytest
+from kvplug_hookspecs import (
+    ComponentSelection,
+    EvictionPolicyRegistration,
+    FrozenModel,
+    KeyedEvictionPolicy,
+    KVCacheConfig,
+    PrefixStored,
+)
 from pydantic import ValidationError
 
 from kvplug import hookimpl
@@ -14,14 +22,6 @@ from kvplug.registry import (
     PluginRegistry,
     UnknownComponentError,
     env_flag,
-)
-from kvplug_hookspecs import (
-    ComponentSelection,
-    EvictionPolicyRegistration,
-    FrozenModel,
-    KeyedEvictionPolicy,
-    KVCacheConfig,
-    PrefixStored,
 )
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "TORCH_DTYPES",
     "CacheCleared",
     "ComponentSelection",
     "EvictParams",
@@ -22,7 +23,6 @@ __all__ = [
     "PoolGeometry",
     "PrefixRemoved",
     "PrefixStored",
-    "TORCH_DTYPES",
 ]
 
 NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]

@@ -37,7 +37,7 @@ namespaces = st.sampled_from([None, None, "lora"])
 picks = st.integers(0, 1 << 16)
 
 SETTINGS = settings(
-    max_examples=60,
+    max_examples=50,
     stateful_step_count=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -320,3 +320,41 @@ def test_priority_is_raised_along_the_path():
     cache.evict(EvictParams(num_tokens=2))  # [8,8] (3) before [4] (5)
     assert cache.match_prefix([8, 8]).prefix_len == 0
     assert cache.total_size() == 3
+
+
+class CountingLRU(LRUPolicy):
+    """LRU that counts the policy calls a cache makes."""
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.calls = {"add": 0, "discard": 0, "touch": 0, "pop": 0}
+
+    def add(self, c):
+        self.calls["add"] += 1
+        super().add(c)
+
+    def discard(self, c):
+        self.calls["discard"] += 1
+        super().discard(c)
+
+    def touch(self, c):
+        self.calls["touch"] += 1
+        super().touch(c)
+
+    def pop(self):
+        self.calls["pop"] += 1
+        return super().pop()
+
+
+def test_eviction_touches_only_its_victims_not_every_leaf():
+    """The evictable set is kept incrementally: evicting k leaves of N costs k pops, no rebuild."""
+    allocator = make_allocator(4096)
+    policy = CountingLRU()
+    cache = RadixCache(allocator, lambda: policy)
+    for i in range(1000):
+        put(cache, allocator, [i, i, i, i])
+    assert len(policy) == 1000
+    policy.calls = dict.fromkeys(policy.calls, 0)
+    assert cache.evict(EvictParams(num_tokens=10)).num_tokens == 10  # 4 + 4 + 2 of the third
+    assert policy.calls == {"add": 1, "discard": 0, "touch": 0, "pop": 3}  # the cut leaf re-joins
+    assert len(policy) == 998

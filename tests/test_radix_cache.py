@@ -358,3 +358,26 @@ def test_eviction_touches_only_its_victims_not_every_leaf():
     assert cache.evict(EvictParams(num_tokens=10)).num_tokens == 10  # 4 + 4 + 2 of the third
     assert policy.calls == {"add": 1, "discard": 0, "touch": 0, "pop": 3}  # the cut leaf re-joins
     assert len(policy) == 998
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_documented_engine_sequence_conserves_slots(page_size):
+    """The module docstring's match -> lock -> evict -> alloc -> insert -> free tail -> unlock."""
+    from kvplug.eviction import evict_from_tree_cache
+
+    cache, allocator = make_radix(capacity=32, page_size=page_size)
+    for tokens in ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 11], [1, 2, 3, 4, 20] * 3):
+        key = CacheKey(tokens)
+        m = cache.match_prefix(key)
+        cache.inc_lock_ref(m.last_node)
+        need = -(-(len(tokens) - m.prefix_len) // page_size) * page_size
+        evict_from_tree_cache(cache, need)
+        new = allocator.alloc(need)
+        cache.insert(key, torch.cat([m.device_indices, new])[: len(tokens)])
+        aligned = len(tokens) // page_size * page_size
+        allocator.free(new[aligned - m.prefix_len :])
+        cache.dec_lock_ref(m.last_node)
+        assert cache.match_prefix(key).prefix_len == aligned
+        assert allocator.available_size() + cache.total_size() == 32
+        assert cache.protected_size() == 0
+    assert cache.total_size() == (10 + 1 + 11 if page_size == 1 else 8 + 0 + 8)

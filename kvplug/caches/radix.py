@@ -8,13 +8,15 @@ namespaces never share a node. A match that ends inside a node splits it.
 
 Engine sequence (SGLang's ``cache_finished_req`` / ``cache_unfinished_req`` in plain calls)::
 
-    m = cache.match_prefix(CacheKey(tokens, extra_key))   # m.device_indices: cached slots
-    cache.inc_lock_ref(m.last_node)                       # the prefix can no longer be evicted
-    evict_from_tree_cache(cache, len(tokens) - m.prefix_len)
-    new = allocator.alloc(len(tokens) - m.prefix_len)     # compute KV for the rest into `new`
-    indices = torch.cat([m.device_indices, new])
-    cache.insert(CacheKey(tokens, extra_key), indices)    # cache owns indices[:aligned] now
-    allocator.free(indices[len(tokens) // page_size * page_size:])  # the unaligned tail
+    key = CacheKey(tokens, extra_key)
+    m = cache.match_prefix(key)                   # m.device_indices: the cached prefix's slots
+    cache.inc_lock_ref(m.last_node)               # the prefix can no longer be evicted
+    need = len(tokens) - m.prefix_len             # (paged allocator: rounded up to pages)
+    evict_from_tree_cache(cache, need)            # evicts only what the allocator lacks
+    new = allocator.alloc(need)                   # ... the model writes the rest's KV there
+    cache.insert(key, torch.cat([m.device_indices, new])[: len(tokens)])
+    aligned = len(tokens) // page_size * page_size
+    allocator.free(new[aligned - m.prefix_len :])  # the caller's part: the unaligned tail
     cache.dec_lock_ref(m.last_node)
 
 A request that keeps running after ``insert`` (chunked prefill) matches again, locks the new

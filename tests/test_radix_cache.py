@@ -360,12 +360,15 @@ def test_eviction_touches_only_its_victims_not_every_leaf():
     assert len(policy) == 998
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_documented_engine_sequence_conserves_slots(page_size):
+@pytest.mark.parametrize(
+    ("page_size", "capacity", "cached"),
+    [(1, 32, 10 + 1 + 11), (4, 32, 8 + 0 + 8), (1, 16, 16), (4, 16, 12)],  # 16: must evict
+)
+def test_documented_engine_sequence_conserves_slots(page_size, capacity, cached):
     """The module docstring's match -> lock -> evict -> alloc -> insert -> free tail -> unlock."""
     from kvplug.eviction import evict_from_tree_cache
 
-    cache, allocator = make_radix(capacity=32, page_size=page_size)
+    cache, allocator = make_radix(capacity=capacity, page_size=page_size)
     for tokens in ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 11], [1, 2, 3, 4, 20] * 3):
         key = CacheKey(tokens)
         m = cache.match_prefix(key)
@@ -378,6 +381,6 @@ def test_documented_engine_sequence_conserves_slots(page_size):
         allocator.free(new[aligned - m.prefix_len :])
         cache.dec_lock_ref(m.last_node)
         assert cache.match_prefix(key).prefix_len == aligned
-        assert allocator.available_size() + cache.total_size() == 32
+        assert allocator.available_size() + cache.total_size() == capacity
         assert cache.protected_size() == 0
-    assert cache.total_size() == (10 + 1 + 11 if page_size == 1 else 8 + 0 + 8)
+    assert cache.total_size() == cached

@@ -360,9 +360,162 @@ class SWAMachine(RuleBasedStateMachine):
             assert self.a.translate_loc_from_full_to_swa(tensor(held)).tolist() == expected
 
 
+class PagedSWAMachine(RuleBasedStateMachine):
+    """The swa allocator with pages: requests grow by extend/decode, whole pages leave the window."""
+
+    PS = 4
+    PAGES = 12
+    SWA_PAGES = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = SWAAllocator(
+            self.PAGES * self.PS, self.SWA_PAGES * self.PS, 8, page_size=self.PS, device="cpu", debug_checks=True
+        )
+        self.reqs: list[list[int]] = []  # full slots of each request, in token order
+        self.window: dict[int, int] = {}  # full page -> window page, for pages still in the window
+        self.pending: dict[int, int | None] = {}  # full pages freed in the open group -> window page
+        self.grouped = False
+
+    def learn_new(self, slots: list[int]) -> None:
+        """Check and record the window pages of newly allocated full slots."""
+        win = self.a.translate_loc_from_full_to_swa(tensor(slots)).tolist()
+        in_use = set(self.window.values()) | {w for w in self.pending.values() if w}
+        for f, w in zip(slots, win):
+            assert w % self.PS == f % self.PS and w >= self.PS, "window slot at another page offset"
+            page, wpage = f // self.PS, w // self.PS
+            if page in self.window:
+                assert self.window[page] == wpage, "one full page maps to two window pages"
+            else:
+                assert wpage not in in_use, "a window page is mapped twice"
+                self.window[page] = wpage
+                in_use.add(wpage)
+
+    def pages_needed(self, pre: list[int], seq: list[int]) -> int:
+        return sum(-(-s // self.PS) - -(-p // self.PS) for p, s in zip(pre, seq))
+
+    @rule(data=st.data())
+    def alloc_extend(self, data):
+        batch = data.draw(st.lists(st.integers(-1, len(self.reqs) - 1), max_size=3, unique=True))
+        exts = data.draw(st.lists(st.integers(0, 2 * self.PS), min_size=len(batch), max_size=len(batch)))
+        slots = [self.reqs[i] if i >= 0 else [] for i in batch]
+        pre = [len(s) for s in slots]
+        seq = [p + e for p, e in zip(pre, exts)]
+        need = self.pages_needed(pre, seq)
+        fits = need * self.PS <= min(self.a.full_available_size(), self.a.swa_available_size())
+        before = (self.a.full_available_size(), self.a.swa_available_size())
+        out = self.a.alloc_extend(tensor(pre), tensor(seq), tensor(s[-1] if s else -1 for s in slots), sum(exts))
+        if not fits:
+            assert out is None
+            assert (self.a.full_available_size(), self.a.swa_available_size()) == before
+            return
+        assert before[0] - self.a.full_available_size() == need * self.PS
+        out = out.tolist()
+        self.learn_new(out)
+        pos = 0
+        for i, s, e in zip(batch, slots, exts):
+            grown = s + out[pos : pos + e]
+            pos += e
+            if i >= 0:
+                self.reqs[i] = grown
+            else:
+                self.reqs.append(grown)
+
+    @precondition(lambda self: any(self.reqs))
+    @rule(data=st.data())
+    def alloc_decode(self, data):
+        live = [i for i, r in enumerate(self.reqs) if r]
+        batch = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
+        need = sum(1 for i in batch if len(self.reqs[i]) % self.PS == 0)
+        fits = need * self.PS <= min(self.a.full_available_size(), self.a.swa_available_size())
+        out = self.a.alloc_decode(tensor(len(self.reqs[i]) + 1 for i in batch), tensor(self.reqs[i][-1] for i in batch))
+        if not fits:
+            assert out is None
+            return
+        out = out.tolist()
+        self.learn_new(out)
+        for i, slot in zip(batch, out):
+            self.reqs[i].append(slot)
+
+    @precondition(lambda self: any(len(r) > self.PS for r in self.reqs))
+    @rule(data=st.data())
+    def free_swa_slid_out(self, data):
+        """Whole pages before a request's last page leave the window."""
+        r = data.draw(st.sampled_from([r for r in self.reqs if len(r) > self.PS]))
+        k = data.draw(st.integers(0, (len(r) - 1) // self.PS)) * self.PS
+        self.a.free_swa(tensor(r[:k]))
+        for s in r[:k]:
+            self.window.pop(s // self.PS, None)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def free_tail(self, data):
+        i = data.draw(st.integers(0, len(self.reqs) - 1))
+        r = self.reqs[i]
+        keep = data.draw(st.integers(0, -(-len(r) // self.PS))) * self.PS
+        freed_pages = sorted({s // self.PS for s in r[keep:]})
+        self.a.free(tensor(r[keep:]))
+        for page in freed_pages:
+            if self.grouped:
+                self.pending[page] = self.window.pop(page, None)
+            else:
+                self.window.pop(page, None)
+        if keep:
+            self.reqs[i] = r[:keep]
+        else:
+            del self.reqs[i]
+
+    @precondition(lambda self: not self.grouped)
+    @rule()
+    def begin_group(self):
+        self.a.free_group_begin()
+        self.grouped = True
+
+    @precondition(lambda self: self.grouped)
+    @rule()
+    def end_group(self):
+        self.a.free_group_end()
+        self.grouped, self.pending = False, {}
+
+    @rule()
+    def clear(self):
+        self.a.clear()
+        self.reqs, self.window, self.pending, self.grouped = [], {}, {}, False
+
+    @rule(n=st.integers(0, 2 * PAGES * PS))
+    def shortfall(self, n):
+        def pages(missing: int) -> int:
+            return -(-max(0, missing) // self.PS) * self.PS
+
+        full, swa = pages(n - self.a.full_available_size()), pages(n - self.a.swa_available_size())
+        expected = EvictParams(num_tokens=full, swa_num_tokens=swa) if full or swa else None
+        assert self.a.shortfall(n) == expected
+
+    @invariant()
+    def conservation(self):
+        held = sorted({s // self.PS for r in self.reqs for s in r} | set(self.pending))
+        assert len(held) == sum(-(-len(r) // self.PS) for r in self.reqs) + len(self.pending)
+        assert 0 not in held
+        assert self.a.full_available_size() + len(held) * self.PS == self.PAGES * self.PS
+        mapped = list(self.window.values()) + [w for w in self.pending.values() if w]
+        assert len(mapped) == len(set(mapped))
+        assert self.a.swa_available_size() + len(mapped) * self.PS == self.SWA_PAGES * self.PS
+        free_full = free_ids(self.a.full_allocator)
+        assert sorted({s // self.PS for s in free_full} | set(held)) == list(range(1, self.PAGES + 1))
+        assert not self.a.translate_loc_from_full_to_swa(tensor(free_full)).any(), "a free slot stays mapped"
+        free_win = {s // self.PS for s in free_ids(self.a.swa_allocator)}
+        assert sorted(free_win | set(mapped)) == list(range(1, self.SWA_PAGES + 1))
+        for r in self.reqs:
+            win = self.a.translate_loc_from_full_to_swa(tensor(r)).tolist()
+            expected = [self.window[s // self.PS] * self.PS + s % self.PS if s // self.PS in self.window else 0 for s in r]
+            assert win == expected
+
+
 TestStandardAllocatorStateful = StandardMachine.TestCase
 TestStandardAllocatorStateful.settings = STEPS
 TestPagedAllocatorStateful = PagedMachine.TestCase
 TestPagedAllocatorStateful.settings = STEPS
 TestSWAAllocatorStateful = SWAMachine.TestCase
 TestSWAAllocatorStateful.settings = STEPS
+TestPagedSWAAllocatorStateful = PagedSWAMachine.TestCase
+TestPagedSWAAllocatorStateful.settings = STEPS

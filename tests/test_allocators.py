@@ -377,6 +377,18 @@ def test_paged_free_frees_each_touched_page_once():
     assert a.alloc(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
+def test_standard_offers_the_paged_extend_and_decode_api():
+    a = std(8)
+    assert a.alloc_extend(t(0, 3), t(2, 5), t(-1, 7), 4).tolist() == [1, 2, 3, 4]
+    assert a.alloc_decode(t(3, 6), t(2, 4)).tolist() == [5, 6]
+    assert a.alloc_extend(t(0), t(3), t(-1), 3) is None
+    with pytest.raises(ValueError, match="batch tensors differ in length"):
+        a.alloc_extend(t(0, 1), t(3), t(-1), 3)
+    with pytest.raises(TypeError, match="seq_lens has dtype"):
+        a.alloc_decode(torch.tensor([1.0]), t(1))
+    assert a.available_size() == 2
+
+
 def test_paged_free_accepts_int32():
     a = paged(32, 4, debug_checks=True)
     a.alloc(8)
@@ -708,13 +720,94 @@ def test_swa_from_geometry_builds_a_hybrid_pool():
     assert explicit.pool.swa_layer_ids == (0, 5) and explicit.pool.full_layer_ids == (1, 2, 3, 4)
 
 
+def test_paged_swa_from_geometry():
+    g = PoolGeometry(capacity_tokens=64, page_size=4, num_layers=2, head_dim=4, device="cpu")
+    a = SWAAllocator.from_geometry(g, SWAAllocatorOptions(swa_capacity_tokens=16, sliding_window_size=8))
+    assert (a.page_size, a.full_allocator.page_size, a.swa_allocator.page_size) == (4, 4, 4)
+    assert type(a.full_allocator) is PagedAllocator
+    assert a.pool.full.get_k(0).shape == (68, 1, 4) and a.pool.swa.get_k(0).shape == (20, 1, 4)
+
+
+def paged_swa(**kw) -> SWAAllocator:
+    return SWAAllocator(32, 16, 8, page_size=4, device="cpu", debug_checks=True, **kw)
+
+
+def test_paged_swa_alloc_maps_whole_pages():
+    a = paged_swa()
+    a.full_allocator.alloc(8)  # make the two sides differ
+    full = a.alloc(4)
+    assert full.tolist() == [12, 13, 14, 15]
+    assert a.translate_loc_from_full_to_swa(full).tolist() == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="need_size=3 is not a multiple of page_size=4"):
+        a.alloc(3)
+    assert a.alloc(16) is None  # window has 12 left
+    assert (a.full_available_size(), a.swa_available_size()) == (20, 12)
+
+
+def test_paged_swa_extend_and_decode_continue_pages_on_both_sides():
+    a = paged_swa()
+    a.full_allocator.alloc(4)  # full page 1 taken: full page p maps to window page p - 1
+    x = a.alloc_extend(t(0, 0), t(5, 3), t(-1, -1), 8)
+    assert x.tolist() == [8, 9, 10, 11, 12, 16, 17, 18]
+    assert a.translate_loc_from_full_to_swa(x).tolist() == [4, 5, 6, 7, 8, 12, 13, 14]
+    y = a.alloc_decode(t(6, 4), t(12, 18))
+    assert y.tolist() == [13, 19]
+    assert a.translate_loc_from_full_to_swa(y).tolist() == [9, 15]
+    assert (a.full_available_size(), a.swa_available_size()) == (16, 4)
+
+
+def test_paged_swa_allocation_short_on_one_side_takes_nothing_on_either():
+    a = paged_swa()
+    x = a.alloc_extend(t(0), t(13), t(-1), 13)  # 4 pages each side; window has 0 pages left
+    before = (snapshot(a.full_allocator), snapshot(a.swa_allocator))
+    assert a.alloc_extend(t(13), t(17), x[-1:], 4) is None  # continues page 4, then needs a new page
+    assert a.alloc_decode(t(17), t(int(x[-1]) + 3)) is None
+    assert (snapshot(a.full_allocator), snapshot(a.swa_allocator)) == before
+    assert a.alloc_extend(t(13), t(16), x[-1:], 3).tolist() == [17, 18, 19]  # stays in its page
+
+
+def test_paged_swa_extend_after_the_window_page_was_freed_is_an_error_and_takes_nothing():
+    a = paged_swa()
+    x = a.alloc_extend(t(0), t(6), t(-1), 6)
+    a.free_swa(x[-1:])  # the partial last page leaves the window
+    before = (snapshot(a.full_allocator), snapshot(a.swa_allocator))
+    with pytest.raises(ValueError, match="last_loc that is not a usable slot"):
+        a.alloc_extend(t(6), t(12), x[-1:], 6)
+    assert (snapshot(a.full_allocator), snapshot(a.swa_allocator)) == before
+
+
+def test_paged_swa_frees_whole_pages_on_each_side():
+    a = paged_swa()
+    x = a.alloc(12)
+    a.free_swa(x[1:2])  # one slot of the first page: its whole window page goes
+    assert a.translate_loc_from_full_to_swa(x).tolist() == [0, 0, 0, 0, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert (a.full_available_size(), a.swa_available_size()) == (20, 8)
+    a.free(x[5:6])  # one slot of the second page: both sides of that page go
+    assert a.translate_loc_from_full_to_swa(x[4:8]).tolist() == [0, 0, 0, 0]
+    assert (a.full_available_size(), a.swa_available_size()) == (24, 12)
+    a.free(t(4, 12))
+    assert (a.full_available_size(), a.swa_available_size()) == (32, 16)
+
+
+def test_paged_swa_shortfall_rounds_each_side_to_pages():
+    a = paged_swa()
+    a.alloc(12)
+    assert (a.full_available_size(), a.swa_available_size()) == (20, 4)
+    assert a.shortfall(6) == EvictParams(num_tokens=0, swa_num_tokens=4)
+    assert a.shortfall(21) == EvictParams(num_tokens=4, swa_num_tokens=20)
+    assert a.shortfall(4) is None
+
+
 def test_swa_from_geometry_errors():
     g = PoolGeometry(capacity_tokens=32, num_layers=4, device="cpu")
     opts = dict(swa_capacity_tokens=8, sliding_window_size=4)
     with pytest.raises(ValueError, match=r"swa_layer_ids \[4, 7\] out of range: the model has 4 layer"):
         SWAAllocator.from_geometry(g, SWAAllocatorOptions(**opts, swa_layer_ids=[1, 4, 7]))
-    with pytest.raises(ValueError, match="page_size 1 only, got page_size=4"):
-        SWAAllocator.from_geometry(PoolGeometry(capacity_tokens=32, page_size=4, device="cpu"), SWAAllocatorOptions(**opts))
+    with pytest.raises(ValueError, match="swa_capacity_tokens=10 is not a multiple of page_size=4"):
+        SWAAllocator.from_geometry(
+            PoolGeometry(capacity_tokens=32, page_size=4, device="cpu"),
+            SWAAllocatorOptions(swa_capacity_tokens=10, sliding_window_size=4),
+        )
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,15 @@ class FreeIdStack:
             self.is_free.index_fill_(0, out, False)
         return out
 
+    def rollback(self, top: int) -> None:
+        """Undo the pops made since ``top`` was read, when nothing was pushed in between.
+
+        ``pop`` leaves the ids in place below the new top, so moving the top back restores them.
+        """
+        if self.is_free is not None and top < self.top:
+            self.is_free.index_fill_(0, self._ids[top : self.top], True)
+        self.top = top
+
     def push(self, ids: torch.Tensor) -> None:
         """Return ids to the stack; raises (changing nothing) on a detectable double free."""
         n = ids.numel()
@@ -119,6 +128,10 @@ class BaseAllocator:
             raise TypeError(f"size must be an int, got {type(size).__name__}")
         if size <= 0:
             raise ValueError(f"size (capacity in tokens) must be > 0, got {size}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if size % page_size:
+            raise ValueError(f"size={size} is not a multiple of page_size={page_size}")
         self.size = size
         self.page_size = page_size
         self.device = resolve_device(device)
@@ -179,6 +192,19 @@ class BaseAllocator:
     @property
     def in_free_group(self) -> bool:
         return self._free_group is not None
+
+    def _batch(self, **tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Metadata checks of the per-request tensors of ``alloc_extend``/``alloc_decode``."""
+        sizes = set()
+        for name, t in tensors.items():
+            check_index_tensor(t, self.device, name)
+            sizes.add(t.numel())
+        if len(sizes) > 1:
+            raise ValueError(
+                "batch tensors differ in length: "
+                + ", ".join(f"{n}={t.numel()}" for n, t in tensors.items())
+            )
+        return [t.to(torch.int64) for t in tensors.values()]
 
     def _check_indices(self, indices: torch.Tensor, *, values: bool = True) -> torch.Tensor:
         """Check freed indices (metadata, and their range when ``values``); return them as int64."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from kvplug_hookspecs import PoolGeometry
 
-from ..pools import MHAKVPool, check_index_tensor
+from ..pools import MHAKVPool
 from .base import BaseAllocator, FreeIdStack, check_size
 from .standard import AllocatorCheckOptions
 
@@ -41,13 +41,9 @@ class PagedAllocator(BaseAllocator):
         debug_checks: bool = False,
         check_bounds: bool = True,
     ) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         super().__init__(
             size, page_size, device=device, pool=pool, debug_checks=debug_checks, check_bounds=check_bounds
         )
-        if size % page_size:
-            raise ValueError(f"size={size} is not a multiple of page_size={page_size}")
         self.num_pages = size // page_size
         self._stack = FreeIdStack(1, self.num_pages, self.device, track=self.debug_checks, unit="page")
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
@@ -173,18 +169,6 @@ class PagedAllocator(BaseAllocator):
         """Where ``last`` cannot be the slot of token ``length - 1``: wrong offset or not usable."""
         ps = self.page_size
         return ((last + 1) % ps != length % ps) | (last < self._low) | (last > self._high)
-
-    def _batch(self, **tensors: torch.Tensor) -> list[torch.Tensor]:
-        sizes = set()
-        for name, t in tensors.items():
-            check_index_tensor(t, self.device, name)
-            sizes.add(t.numel())
-        if len(sizes) > 1:
-            raise ValueError(
-                "batch tensors differ in length: "
-                + ", ".join(f"{n}={t.numel()}" for n, t in tensors.items())
-            )
-        return [t.to(torch.int64) for t in tensors.values()]
 
     def _release(self, indices: torch.Tensor) -> None:
         self._stack.push(torch.unique(indices // self.page_size))

@@ -77,6 +77,26 @@ class StandardAllocator(BaseAllocator):
             return None
         return self._stack.pop(n)
 
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> torch.Tensor | None:
+        """The paged API at page size 1: ``alloc(extend_num_tokens)``.
+
+        With single-slot pages there is no partial page to continue, so the batch tensors are
+        only checked for type, device and length, never read (no host sync).
+        """
+        self._batch(prefix_lens=prefix_lens, seq_lens=seq_lens, last_loc=last_loc)
+        return self.alloc(check_size(extend_num_tokens, "extend_num_tokens"))
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
+        """The paged API at page size 1: one new slot per request, ``alloc(len(seq_lens))``."""
+        seq, _ = self._batch(seq_lens=seq_lens, last_loc=last_loc)
+        return self.alloc(seq.numel())
+
     def _release(self, indices: torch.Tensor) -> None:
         self._stack.push(indices)
 

@@ -4,7 +4,11 @@ Every token gets a slot in the full pool (its index is what the engine sees) and
 smaller window pool; ``full_to_swa_index_mapping[full_slot]`` is the window slot, 0 when the
 token has none (slot 0 of the window pool is padding, so reads and writes through an unmapped
 entry land in padding). When tokens slide out of the window, ``free_swa`` returns only their
-window slots. Matches SGLang's SWATokenToKVPoolAllocator (page size 1).
+window slots. Matches SGLang's SWATokenToKVPoolAllocator.
+
+With pages (``page_size > 1``) both sides are paged allocators that move in lockstep: a full
+page maps slot for slot onto one window page, so freeing either side works on whole pages, as
+in the ``paged`` allocator.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pydantic import Field, field_validator
 
 from ..pools import HybridSWAKVPool
 from .base import BaseAllocator, check_size
+from .paged import PagedAllocator
 from .standard import AllocatorCheckOptions, StandardAllocator
 
 __all__ = ["SWAAllocator", "SWAAllocatorOptions", "default_swa_layer_ids"]
@@ -57,10 +62,11 @@ class SWAAllocatorOptions(AllocatorCheckOptions):
 class SWAAllocator(BaseAllocator):
     """A full-attention allocator and a window allocator with a full->window index map.
 
-    ``size`` is the full pool's capacity, ``size_swa`` the window pool's. ``alloc`` takes slots in
-    both or neither; ``available_size()`` is the smaller of the two free counts. ``free`` returns
-    both sides (the window side where still mapped); ``free_swa`` only the window side, always
-    immediately, even inside a free group.
+    ``size`` is the full pool's capacity, ``size_swa`` the window pool's. Every allocation
+    (``alloc``, ``alloc_extend``, ``alloc_decode``) takes slots in both pools or in neither;
+    ``available_size()`` is the smaller of the two free counts. ``free`` returns both sides (the
+    window side where still mapped); ``free_swa`` only the window side, always immediately, even
+    inside a free group.
     """
 
     def __init__(
@@ -69,29 +75,37 @@ class SWAAllocator(BaseAllocator):
         size_swa: int,
         sliding_window_size: int,
         *,
+        page_size: int = 1,
         device: str | torch.device = "auto",
         pool: Any = None,
         debug_checks: bool = False,
         check_bounds: bool = True,
     ) -> None:
         super().__init__(
-            size, 1, device=device, pool=pool, debug_checks=debug_checks, check_bounds=check_bounds
+            size, page_size, device=device, pool=pool, debug_checks=debug_checks, check_bounds=check_bounds
         )
         if isinstance(sliding_window_size, bool) or not isinstance(sliding_window_size, int) or sliding_window_size <= 0:
             raise ValueError(f"sliding_window_size must be a positive int, got {sliding_window_size!r}")
         checks = dict(device=self.device, debug_checks=debug_checks, check_bounds=check_bounds)
-        self.full_allocator = StandardAllocator(size, pool=getattr(pool, "full", None), **checks)
-        self.swa_allocator = StandardAllocator(size_swa, pool=getattr(pool, "swa", None), **checks)
+        full_pool, swa_pool = getattr(pool, "full", None), getattr(pool, "swa", None)
+        if page_size == 1:
+            self.full_allocator = StandardAllocator(size, pool=full_pool, **checks)
+            self.swa_allocator = StandardAllocator(size_swa, pool=swa_pool, **checks)
+        else:
+            self.full_allocator = PagedAllocator(size, page_size, pool=full_pool, **checks)
+            self.swa_allocator = PagedAllocator(size_swa, page_size, pool=swa_pool, **checks)
         self.size_swa = size_swa
         self.sliding_window_size = sliding_window_size
-        self.full_to_swa_index_mapping = torch.zeros(size + 1, dtype=torch.int64, device=self.device)
+        self.full_to_swa_index_mapping = torch.zeros(size + page_size, dtype=torch.int64, device=self.device)
+        self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
 
     @classmethod
     def from_geometry(cls, geometry: PoolGeometry, options: SWAAllocatorOptions) -> SWAAllocator:
         """Build a hybrid pool (full + window) and the allocator over it."""
-        if geometry.page_size != 1:
+        if options.swa_capacity_tokens % geometry.page_size:
             raise ValueError(
-                f"the swa allocator supports page_size 1 only, got page_size={geometry.page_size}"
+                f"swa_capacity_tokens={options.swa_capacity_tokens} is not a multiple of "
+                f"page_size={geometry.page_size}"
             )
         swa_ids = options.swa_layer_ids
         if swa_ids is None:
@@ -109,6 +123,7 @@ class SWAAllocator(BaseAllocator):
             swa_layer_ids=swa_ids,
             kv_heads=geometry.kv_heads,
             head_dim=geometry.head_dim,
+            page_size=geometry.page_size,
             dtype=geometry.dtype,
             device=geometry.device,
         )
@@ -116,6 +131,7 @@ class SWAAllocator(BaseAllocator):
             geometry.capacity_tokens,
             options.swa_capacity_tokens,
             options.sliding_window_size,
+            page_size=geometry.page_size,
             device=pool.device,
             pool=pool,
             debug_checks=options.debug_checks,
@@ -135,32 +151,99 @@ class SWAAllocator(BaseAllocator):
     def available_size(self) -> int:
         return min(self.full_available_size(), self.swa_available_size())
 
+    # -- allocation: both sides or neither -------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """``need_size`` full slots, each mapped to a new window slot; ``None`` if either side is short."""
         n = check_size(need_size, "need_size")
+        if n % self.page_size:
+            raise ValueError(f"need_size={n} is not a multiple of page_size={self.page_size}")
         if n > self.full_available_size() or n > self.swa_available_size():
             return None
-        full = self.full_allocator.alloc(n)
-        self.full_to_swa_index_mapping.scatter_(0, full, self.swa_allocator.alloc(n))
+        return self._map(self.full_allocator.alloc(n), self.swa_allocator.alloc(n))
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> torch.Tensor | None:
+        """The ``paged`` allocator's ``alloc_extend`` on both sides; ``last_loc`` are full slots.
+
+        Each request's window side continues the window page of its last full slot, which must
+        still be mapped when that page is partial. Returns full slots, or ``None`` when either
+        side is short (nothing taken).
+        """
+        swa_last = self._window_last_loc(last_loc)
+        return self._both(
+            lambda a, last: a.alloc_extend(prefix_lens, seq_lens, last, extend_num_tokens),
+            last_loc,
+            swa_last,
+        )
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
+        """The ``paged`` allocator's ``alloc_decode`` on both sides (see ``alloc_extend``)."""
+        swa_last = self._window_last_loc(last_loc)
+        return self._both(lambda a, last: a.alloc_decode(seq_lens, last), last_loc, swa_last)
+
+    def _both(self, alloc, full_last: Any, swa_last: Any) -> torch.Tensor | None:
+        """Run one allocation on the full side, then the window side; undo the first if the second fails."""
+        stack = self.full_allocator._stack
+        mark = stack.top  # allocations only pop: moving the top back undoes them exactly
+        full = alloc(self.full_allocator, full_last)
+        if full is None:
+            return None
+        try:
+            swa = alloc(self.swa_allocator, swa_last)
+        except Exception:
+            stack.rollback(mark)
+            raise
+        if swa is None:
+            stack.rollback(mark)
+            return None
+        return self._map(full, swa)
+
+    def _window_last_loc(self, last_loc: torch.Tensor) -> torch.Tensor:
+        """Window slots of the requests' last full slots; -1 stays -1 (an empty prefix)."""
+        self._batch(last_loc=last_loc)
+        if self.page_size == 1:
+            return last_loc  # single-slot pages: there is no partial page to continue
+        last = last_loc.to(torch.int64)
+        inside = (last >= 0) & (last <= self._high)
+        window = self.full_to_swa_index_mapping.index_select(0, torch.where(inside, last, 0))
+        return torch.where(inside, window, -1)
+
+    def _map(self, full: torch.Tensor, swa: torch.Tensor) -> torch.Tensor:
+        self.full_to_swa_index_mapping.scatter_(0, full, swa)
         return full
 
+    # -- freeing ---------------------------------------------------------------------------------
     # index_select / scatter_ / index_fill_ / masked_select rather than ``map[idx]`` and
     # ``x[mask]``: same results, several times faster on the CPU for large batches.
+    def _page_slots(self, indices: torch.Tensor) -> torch.Tensor:
+        """Every slot of the pages ``indices`` touch: freeing works on whole pages."""
+        if self.page_size == 1:
+            return indices
+        pages = torch.unique(indices // self.page_size)
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+
     def _release(self, indices: torch.Tensor) -> None:
-        swa = self.full_to_swa_index_mapping.index_select(0, indices)
+        slots = self._page_slots(indices)
+        swa = self.full_to_swa_index_mapping.index_select(0, slots)
         mapped = torch.masked_select(swa, swa > 0)
         self.full_allocator._release(indices)  # raises (changing nothing) on a debug double free
         self.swa_allocator._release(mapped)
-        self.full_to_swa_index_mapping.index_fill_(0, indices, 0)
+        self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
     def free_swa(self, indices: torch.Tensor) -> None:
-        """Free only the window slots of these full slots (tokens that slid out of the window)."""
+        """Free only the window slots (pages) of these full slots: tokens that slid out of the window."""
         indices = self._check_indices(indices)
         if indices.numel() == 0:
             return
-        swa = self.full_to_swa_index_mapping.index_select(0, indices)
+        slots = self._page_slots(indices)
+        swa = self.full_to_swa_index_mapping.index_select(0, slots)
         self.swa_allocator._release(torch.masked_select(swa, swa > 0))
-        self.full_to_swa_index_mapping.index_fill_(0, indices, 0)
+        self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
     def translate_loc_from_full_to_swa(self, indices: torch.Tensor) -> torch.Tensor:
         """Window slots of full slots (0, the window padding slot, where unmapped). One gather."""
@@ -168,10 +251,11 @@ class SWAAllocator(BaseAllocator):
         return flat.view(indices.shape)
 
     def shortfall(self, num_tokens: int) -> EvictParams | None:
-        """Per-pool shortfall: ``(n - full_available, n - swa_available)`` clipped at 0."""
+        """Per-pool shortfall: ``(n - full_available, n - swa_available)`` clipped at 0, page-rounded."""
         n = check_size(num_tokens, "num_tokens")
-        full = max(0, n - self.full_available_size())
-        swa = max(0, n - self.swa_available_size())
+        ps = self.page_size
+        full = -(-max(0, n - self.full_available_size()) // ps) * ps
+        swa = -(-max(0, n - self.swa_available_size()) // ps) * ps
         if full == 0 and swa == 0:
             return None
         return EvictParams(num_tokens=full, swa_num_tokens=swa)
@@ -185,7 +269,7 @@ class SWAAllocator(BaseAllocator):
 
     def __repr__(self) -> str:
         return (
-            f"SWAAllocator(size={self.size}, size_swa={self.size_swa}, "
+            f"SWAAllocator(size={self.size}, size_swa={self.size_swa}, page_size={self.page_size}, "
             f"sliding_window_size={self.sliding_window_size}, full_available={self.full_available_size()}, "
             f"swa_available={self.swa_available_size()}, device={self.device})"
         )

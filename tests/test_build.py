@@ -65,3 +65,16 @@ def test_options_of_the_selected_cache_are_validated():
     with pytest.raises(Exception) as info:
         kvplug.build(config)
     assert "prefix_cache" in str(info.value) and "granularity" in str(info.value)
+
+
+@pytest.mark.parametrize("cache_name", ["radix", "block_hash"])
+def test_bare_token_sequences_and_tensors_are_keys_in_the_default_namespace(cache_name):
+    stack = kvplug.build(_config(cache_name, "lru"))
+    cache, allocator = stack.prefix_cache, stack.allocator
+    tokens = list(range(8))
+    cache.insert(tokens, allocator.alloc(8))
+    assert cache.match_prefix(torch.tensor(tokens)).prefix_len == 8
+    assert cache.match_prefix(CacheKey(tokens)).prefix_len == 8
+    assert cache.match_prefix(CacheKey(tokens, extra_key="lora-1")).prefix_len == 0
+    with pytest.raises(TypeError, match="a cache key is a CacheKey or a sequence of token ids"):
+        cache.match_prefix("abc")

@@ -26,12 +26,14 @@ __all__ = [
 ]
 
 
-def as_cache_key(key: CacheKey | Sequence[int]) -> CacheKey:
-    """Accept a ``CacheKey`` or a bare token sequence (namespace ``None``)."""
+def as_cache_key(key: CacheKey | Sequence[int] | torch.Tensor) -> CacheKey:
+    """Accept a ``CacheKey``, or bare token ids (a sequence or a 1-D tensor, namespace ``None``)."""
     if isinstance(key, CacheKey):
         return key
-    if isinstance(key, (str, bytes)) or not isinstance(key, Sequence):
-        raise TypeError(f"a cache key is a CacheKey or a sequence of token ids, got {type(key).__name__}")
+    if isinstance(key, (str, bytes)) or not isinstance(key, (Sequence, torch.Tensor)):
+        raise TypeError(
+            f"a cache key is a CacheKey or a sequence of token ids, got {type(key).__name__}"
+        )
     return CacheKey(key)
 
 

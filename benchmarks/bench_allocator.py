@@ -117,39 +117,105 @@ def run_device(device: torch.device, args: argparse.Namespace) -> list[tuple]:
         rows.append((str(device), alloc_name, checks, case, n, seconds, ref))
 
     for checks in ("on", "off"):
-        kw = dict(device=device, check_bounds=checks == "on")
+        kw = {"device": device, "check_bounds": checks == "on"}
         for n in batches:
             std = StandardAllocator(CAPACITY, **kw)
-            ref = timeit(alloc_free(CatFreeList(CAPACITY, device), n), device, repeat, inner) if checks == "on" else None
-            record("standard", "decode", n, timeit(alloc_free(std, n), device, repeat, inner), ref, checks)
+            ref = (
+                timeit(alloc_free(CatFreeList(CAPACITY, device), n), device, repeat, inner)
+                if checks == "on"
+                else None
+            )
+            record(
+                "standard",
+                "decode",
+                n,
+                timeit(alloc_free(std, n), device, repeat, inner),
+                ref,
+                checks,
+            )
             swa = SWAAllocator(CAPACITY, CAPACITY // 4, 4096, **kw)
-            record("swa", "decode", n, timeit(alloc_free(swa, n), device, repeat, inner), None, checks)
+            record(
+                "swa", "decode", n, timeit(alloc_free(swa, n), device, repeat, inner), None, checks
+            )
             paged = PagedAllocator(CAPACITY, PAGE, **kw)
-            record("paged", "decode/new-page", n, timeit(paged_decode(paged, n, True), device, repeat, inner), None, checks)
+            record(
+                "paged",
+                "decode/new-page",
+                n,
+                timeit(paged_decode(paged, n, True), device, repeat, inner),
+                None,
+                checks,
+            )
             paged = PagedAllocator(CAPACITY, PAGE, **kw)
-            record("paged", "decode/in-page", n, timeit(paged_decode(paged, n, False), device, repeat, inner), None, checks)
+            record(
+                "paged",
+                "decode/in-page",
+                n,
+                timeit(paged_decode(paged, n, False), device, repeat, inner),
+                None,
+                checks,
+            )
         for n in extends:
             std = StandardAllocator(CAPACITY, **kw)
-            ref = timeit(alloc_free(CatFreeList(CAPACITY, device), n), device, repeat, inner) if checks == "on" else None
-            record("standard", "extend", n, timeit(alloc_free(std, n), device, repeat, inner), ref, checks)
+            ref = (
+                timeit(alloc_free(CatFreeList(CAPACITY, device), n), device, repeat, inner)
+                if checks == "on"
+                else None
+            )
+            record(
+                "standard",
+                "extend",
+                n,
+                timeit(alloc_free(std, n), device, repeat, inner),
+                ref,
+                checks,
+            )
             swa = SWAAllocator(CAPACITY, CAPACITY // 2, 4096, **kw)
-            record("swa", "extend", n, timeit(alloc_free(swa, n), device, repeat, inner), None, checks)
+            record(
+                "swa", "extend", n, timeit(alloc_free(swa, n), device, repeat, inner), None, checks
+            )
             paged = PagedAllocator(CAPACITY, PAGE, **kw)
-            record("paged", "alloc+free", n, timeit(alloc_free(paged, n), device, repeat, inner), None, checks)
+            record(
+                "paged",
+                "alloc+free",
+                n,
+                timeit(alloc_free(paged, n), device, repeat, inner),
+                None,
+                checks,
+            )
             paged = PagedAllocator(CAPACITY, PAGE, **kw)
-            record("paged", "extend x8", n, timeit(paged_extend(paged, n), device, repeat, inner), None, checks)
+            record(
+                "paged",
+                "extend x8",
+                n,
+                timeit(paged_extend(paged, n), device, repeat, inner),
+                None,
+                checks,
+            )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cpu, plus cuda when torch sees one")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cpu, plus cuda when torch sees one",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    parser.add_argument("--repeat", type=int, default=None, help="timed runs per case (median taken)")
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="timed runs per case (median taken)"
+    )
     parser.add_argument("--inner", type=int, default=None, help="steps per timed run")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch cpu threads (default 1: a scheduler calls the allocator from one thread)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch cpu threads (default 1: a scheduler calls the allocator from one thread)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.repeat = args.repeat or (5 if args.quick else 9)
@@ -161,18 +227,27 @@ def main() -> None:
     if args.device == "auto" and torch.cuda.is_available():
         devices.append(torch.device("cuda", torch.cuda.current_device()))
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} cpu threads, capacity {CAPACITY} slots, "
-          f"page {PAGE}, median of {args.repeat} x {args.inner} steps")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} cpu threads, "
+        f"capacity {CAPACITY} slots, "
+        f"page {PAGE}, median of {args.repeat} x {args.inner} steps"
+    )
     if torch.cuda.is_available():
         print(f"cuda: {torch.cuda.get_device_name()}")
-    header = f"{'device':<7} {'allocator':<9} {'checks':<6} {'case':<16} {'tokens':>7} {'us/step':>9} {'ns/token':>9} {'steps/s':>10} {'ratio':>6}"
+    header = (
+        f"{'device':<7} {'allocator':<9} {'checks':<6} {'case':<16} {'tokens':>7} "
+        f"{'us/step':>9} {'ns/token':>9} {'steps/s':>10} {'ratio':>6}"
+    )
     print(header)
     print("-" * len(header))
     for device in devices:
         for dev, name, checks, case, n, sec, ref in run_device(device, args):
             ratio = f"{ref / sec:6.2f}" if ref else ""
-            print(f"{dev:<7} {name:<9} {checks:<6} {case:<16} {n:>7} {sec * 1e6:>9.1f} {sec * 1e9 / n:>9.1f} "
-                  f"{1 / sec:>10.0f} {ratio:>6}")
+            print(
+                f"{dev:<7} {name:<9} {checks:<6} {case:<16} {n:>7} "
+                f"{sec * 1e6:>9.1f} {sec * 1e9 / n:>9.1f} "
+                f"{1 / sec:>10.0f} {ratio:>6}"
+            )
 
 
 if __name__ == "__main__":

@@ -34,15 +34,20 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         device = torch.device("cuda")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {str(name)!r} requested but torch.cuda.is_available() is False")
+            raise ValueError(
+                f"device {str(name)!r} requested but torch.cuda.is_available() is False"
+            )
         index = torch.cuda.current_device() if device.index is None else device.index
         if index >= torch.cuda.device_count():
             raise ValueError(
-                f"device {str(name)!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
+                f"device {str(name)!r} requested but only "
+                f"{torch.cuda.device_count()} CUDA device(s) exist"
             )
         return torch.device("cuda", index)
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {str(name)!r} requested but torch.backends.mps.is_available() is False")
+        raise ValueError(
+            f"device {str(name)!r} requested but torch.backends.mps.is_available() is False"
+        )
     if device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
         raise ValueError(f"device {str(name)!r} requested but torch.xpu.is_available() is False")
     return device
@@ -52,10 +57,14 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     """The torch dtype of a pool dtype name (one of ``kvplug_hookspecs.TORCH_DTYPES``)."""
     if isinstance(name, torch.dtype):
         if str(name).removeprefix("torch.") not in TORCH_DTYPES:
-            raise ValueError(f"unsupported KV dtype {name}; expected one of {', '.join(TORCH_DTYPES)}")
+            raise ValueError(
+                f"unsupported KV dtype {name}; expected one of {', '.join(TORCH_DTYPES)}"
+            )
         return name
     if name not in TORCH_DTYPES:
-        raise ValueError(f"unsupported KV dtype {name!r}; expected one of {', '.join(TORCH_DTYPES)}")
+        raise ValueError(
+            f"unsupported KV dtype {name!r}; expected one of {', '.join(TORCH_DTYPES)}"
+        )
     return getattr(torch, name)
 
 
@@ -102,7 +111,9 @@ class MHAKVPool:
         self.num_rows = capacity_tokens + page_size
         store_dtype = torch.uint8 if self.dtype in _FP8 else self.dtype
         self._kv = torch.zeros(
-            (2, num_layers, self.num_rows, kv_heads, head_dim), dtype=store_dtype, device=self.device
+            (2, num_layers, self.num_rows, kv_heads, head_dim),
+            dtype=store_dtype,
+            device=self.device,
         )
 
     @classmethod
@@ -122,7 +133,9 @@ class MHAKVPool:
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
         if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} out of range: this pool has {self.num_layers} layer(s)")
+            raise ValueError(
+                f"layer {layer} out of range: this pool has {self.num_layers} layer(s)"
+            )
         return layer
 
     def get_k(self, layer: int) -> torch.Tensor:
@@ -151,7 +164,10 @@ class MHAKVPool:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} (len(loc), kv_heads, head_dim)")
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}, expected {shape} "
+                    "(len(loc), kv_heads, head_dim)"
+                )
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, the pool is on {self.device}")
             if not t.is_floating_point():
@@ -215,11 +231,19 @@ class HybridSWAKVPool:
                 f"layers 0..{len(all_ids) - 1} with each layer in exactly one list"
             )
         if not swa_ids:
-            raise ValueError("swa_layer_ids is empty: a model without window layers needs no hybrid pool")
+            raise ValueError(
+                "swa_layer_ids is empty: a model without window layers needs no hybrid pool"
+            )
         self.full_layer_ids = full_ids
         self.swa_layer_ids = swa_ids
         self.num_layers = len(all_ids)
-        kw = dict(kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype, device=device)
+        kw = {
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "page_size": page_size,
+            "dtype": dtype,
+            "device": device,
+        }
         self.full = MHAKVPool(capacity_tokens, num_layers=len(full_ids), **kw)
         self.swa = MHAKVPool(swa_capacity_tokens, num_layers=len(swa_ids), **kw)
         self.device, self.dtype, self.page_size = self.full.device, self.full.dtype, page_size
@@ -277,7 +301,9 @@ class HybridSWAKVPool:
         )
 
 
-def check_index_tensor(indices: object, device: torch.device, what: str = "indices") -> torch.Tensor:
+def check_index_tensor(
+    indices: object, device: torch.device, what: str = "indices"
+) -> torch.Tensor:
     """Metadata-only checks of an index tensor (no device sync): type, dtype, rank, device."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(indices).__name__}")

@@ -169,13 +169,17 @@ class PagedMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def alloc_extend(self, data):
         batch = data.draw(st.lists(st.integers(-1, len(self.reqs) - 1), max_size=4, unique=True))
-        exts = data.draw(st.lists(st.integers(0, 3 * self.PS), min_size=len(batch), max_size=len(batch)))
+        exts = data.draw(
+            st.lists(st.integers(0, 3 * self.PS), min_size=len(batch), max_size=len(batch))
+        )
         slots = [self.reqs[i] if i >= 0 else [] for i in batch]
         pre = [len(s) for s in slots]
         seq = [p + e for p, e in zip(pre, exts)]
         need = sum(-(-s // self.PS) - -(-p // self.PS) for p, s in zip(pre, seq))
         pages = self.next_pages(need) if need <= self.a.available_pages() else []
-        out = self.a.alloc_extend(tensor(pre), tensor(seq), tensor(s[-1] if s else -1 for s in slots), sum(exts))
+        out = self.a.alloc_extend(
+            tensor(pre), tensor(seq), tensor(s[-1] if s else -1 for s in slots), sum(exts)
+        )
         if need > len(pages):
             assert out is None
             return
@@ -349,10 +353,14 @@ class SWAMachine(RuleBasedStateMachine):
         assert len(held) == len(set(held)) and 0 not in held
         assert self.a.full_available_size() + len(held) == self.SIZE
         assert self.a.swa_available_size() + len(self.window) == self.SIZE_SWA
-        assert self.a.available_size() == min(self.a.full_available_size(), self.a.swa_available_size())
+        assert self.a.available_size() == min(
+            self.a.full_available_size(), self.a.swa_available_size()
+        )
         free_full = free_ids(self.a.full_allocator)
         assert sorted(free_full + held) == list(range(1, self.SIZE + 1))
-        assert not self.a.translate_loc_from_full_to_swa(tensor(free_full)).any(), "a free slot stays mapped"
+        assert not self.a.translate_loc_from_full_to_swa(tensor(free_full)).any(), (
+            "a free slot stays mapped"
+        )
         mapped = sorted(self.window.values())
         assert sorted(free_ids(self.a.swa_allocator) + mapped) == list(range(1, self.SIZE_SWA + 1))
         if held:
@@ -361,7 +369,7 @@ class SWAMachine(RuleBasedStateMachine):
 
 
 class PagedSWAMachine(RuleBasedStateMachine):
-    """The swa allocator with pages: requests grow by extend/decode, whole pages leave the window."""
+    """The swa allocator with pages: requests grow by extend/decode, pages leave the window."""
 
     PS = 4
     PAGES = 12
@@ -370,11 +378,18 @@ class PagedSWAMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.a = SWAAllocator(
-            self.PAGES * self.PS, self.SWA_PAGES * self.PS, 8, page_size=self.PS, device="cpu", debug_checks=True
+            self.PAGES * self.PS,
+            self.SWA_PAGES * self.PS,
+            8,
+            page_size=self.PS,
+            device="cpu",
+            debug_checks=True,
         )
         self.reqs: list[list[int]] = []  # full slots of each request, in token order
         self.window: dict[int, int] = {}  # full page -> window page, for pages still in the window
-        self.pending: dict[int, int | None] = {}  # full pages freed in the open group -> window page
+        self.pending: dict[
+            int, int | None
+        ] = {}  # full pages freed in the open group -> window page
         self.grouped = False
 
     def learn_new(self, slots: list[int]) -> None:
@@ -397,14 +412,18 @@ class PagedSWAMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def alloc_extend(self, data):
         batch = data.draw(st.lists(st.integers(-1, len(self.reqs) - 1), max_size=3, unique=True))
-        exts = data.draw(st.lists(st.integers(0, 2 * self.PS), min_size=len(batch), max_size=len(batch)))
+        exts = data.draw(
+            st.lists(st.integers(0, 2 * self.PS), min_size=len(batch), max_size=len(batch))
+        )
         slots = [self.reqs[i] if i >= 0 else [] for i in batch]
         pre = [len(s) for s in slots]
         seq = [p + e for p, e in zip(pre, exts)]
         need = self.pages_needed(pre, seq)
         fits = need * self.PS <= min(self.a.full_available_size(), self.a.swa_available_size())
         before = (self.a.full_available_size(), self.a.swa_available_size())
-        out = self.a.alloc_extend(tensor(pre), tensor(seq), tensor(s[-1] if s else -1 for s in slots), sum(exts))
+        out = self.a.alloc_extend(
+            tensor(pre), tensor(seq), tensor(s[-1] if s else -1 for s in slots), sum(exts)
+        )
         if not fits:
             assert out is None
             assert (self.a.full_available_size(), self.a.swa_available_size()) == before
@@ -428,7 +447,9 @@ class PagedSWAMachine(RuleBasedStateMachine):
         batch = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
         need = sum(1 for i in batch if len(self.reqs[i]) % self.PS == 0)
         fits = need * self.PS <= min(self.a.full_available_size(), self.a.swa_available_size())
-        out = self.a.alloc_decode(tensor(len(self.reqs[i]) + 1 for i in batch), tensor(self.reqs[i][-1] for i in batch))
+        out = self.a.alloc_decode(
+            tensor(len(self.reqs[i]) + 1 for i in batch), tensor(self.reqs[i][-1] for i in batch)
+        )
         if not fits:
             assert out is None
             return
@@ -501,13 +522,22 @@ class PagedSWAMachine(RuleBasedStateMachine):
         assert len(mapped) == len(set(mapped))
         assert self.a.swa_available_size() + len(mapped) * self.PS == self.SWA_PAGES * self.PS
         free_full = free_ids(self.a.full_allocator)
-        assert sorted({s // self.PS for s in free_full} | set(held)) == list(range(1, self.PAGES + 1))
-        assert not self.a.translate_loc_from_full_to_swa(tensor(free_full)).any(), "a free slot stays mapped"
+        assert sorted({s // self.PS for s in free_full} | set(held)) == list(
+            range(1, self.PAGES + 1)
+        )
+        assert not self.a.translate_loc_from_full_to_swa(tensor(free_full)).any(), (
+            "a free slot stays mapped"
+        )
         free_win = {s // self.PS for s in free_ids(self.a.swa_allocator)}
         assert sorted(free_win | set(mapped)) == list(range(1, self.SWA_PAGES + 1))
         for r in self.reqs:
             win = self.a.translate_loc_from_full_to_swa(tensor(r)).tolist()
-            expected = [self.window[s // self.PS] * self.PS + s % self.PS if s // self.PS in self.window else 0 for s in r]
+            expected = [
+                self.window[s // self.PS] * self.PS + s % self.PS
+                if s // self.PS in self.window
+                else 0
+                for s in r
+            ]
             assert win == expected
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of the standard, paged and swa allocators: every method, every error, exact numbers."""
+"""Unit tests of the standard, paged and swa allocators: every method and error, exact numbers."""
 
 from __future__ import annotations
 
@@ -135,7 +135,11 @@ def test_standard_bad_alloc_sizes(need, error, match):
         (t(9), ValueError, r"slot 9 out of range: valid slots are 1..8"),
         (t(-3, 2), ValueError, "slot -3 out of range"),
         ([1, 2], TypeError, "indices must be a torch.Tensor, got list"),
-        (torch.tensor([1.0]), TypeError, "indices has dtype torch.float32; expected torch.int64 or torch.int32"),
+        (
+            torch.tensor([1.0]),
+            TypeError,
+            "indices has dtype torch.float32; expected torch.int64 or torch.int32",
+        ),
         (torch.tensor([1], dtype=torch.int16), TypeError, "dtype torch.int16"),
         (torch.tensor([[1, 2]]), ValueError, r"indices must be 1-D, got shape \(1, 2\)"),
         (torch.tensor(1), ValueError, "indices must be 1-D"),
@@ -218,11 +222,10 @@ def test_standard_free_group_defers_and_batches_frees():
 def test_standard_free_group_context_manager_frees_even_on_error():
     a = std(8)
     held = a.alloc(4)
-    with pytest.raises(KeyError):
-        with a.free_group():
-            a.free(held[:3])
-            assert a.available_size() == 4
-            raise KeyError("boom")
+    with pytest.raises(KeyError), a.free_group():
+        a.free(held[:3])
+        assert a.available_size() == 4
+        raise KeyError("boom")
     assert a.available_size() == 7
     with a.free_group():
         pass
@@ -281,7 +284,11 @@ def test_standard_clear_frees_everything_and_drops_an_open_group():
 
 @pytest.mark.parametrize(
     "size, error, match",
-    [(0, ValueError, r"size \(capacity in tokens\) must be > 0, got 0"), (-4, ValueError, "got -4"), (2.0, TypeError, "size must be an int")],
+    [
+        (0, ValueError, r"size \(capacity in tokens\) must be > 0, got 0"),
+        (-4, ValueError, "got -4"),
+        (2.0, TypeError, "size must be an int"),
+    ],
 )
 def test_standard_bad_capacity(size, error, match):
     with pytest.raises(error, match=match):
@@ -318,7 +325,9 @@ def test_shortfall_rejects_bad_sizes(bad, error):
 
 
 def test_standard_from_geometry_builds_its_pool():
-    g = PoolGeometry(capacity_tokens=32, num_layers=2, kv_heads=2, head_dim=8, dtype="float32", device="cpu")
+    g = PoolGeometry(
+        capacity_tokens=32, num_layers=2, kv_heads=2, head_dim=8, dtype="float32", device="cpu"
+    )
     a = StandardAllocator.from_geometry(g, StandardAllocatorOptions(debug_checks=True))
     assert isinstance(a.pool, MHAKVPool)
     assert (a.size, a.device, a.debug_checks, a.check_bounds) == (32, CPU, True, True)
@@ -352,7 +361,13 @@ def paged(size: int = 32, page_size: int = 4, **kw) -> PagedAllocator:
 
 def test_paged_alloc_hands_out_whole_pages_from_page_1():
     a = paged(32, 4)
-    assert (a.size, a.page_size, a.num_pages, a.available_size(), a.available_pages()) == (32, 4, 8, 32, 8)
+    assert (a.size, a.page_size, a.num_pages, a.available_size(), a.available_pages()) == (
+        32,
+        4,
+        8,
+        32,
+        8,
+    )
     assert a.alloc(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert a.available_size() == 24
     assert a.alloc(0).tolist() == []
@@ -458,7 +473,9 @@ def test_paged_extend_continues_partial_pages_then_takes_new_ones():
 
 def test_paged_extend_accepts_int32_batches():
     a = paged(16, 4)
-    out = a.alloc_extend(t(0, dtype=torch.int32), t(3, dtype=torch.int32), t(-1, dtype=torch.int32), 3)
+    out = a.alloc_extend(
+        t(0, dtype=torch.int32), t(3, dtype=torch.int32), t(-1, dtype=torch.int32), 3
+    )
     assert out.tolist() == [4, 5, 6] and out.dtype is torch.int64
 
 
@@ -468,7 +485,16 @@ def test_paged_extend_short_of_pages_is_none_and_takes_nothing():
     before = snapshot(a)
     assert a.alloc_extend(t(0, 0), t(4, 5), t(-1, -1), 9) is None
     assert snapshot(a) == before
-    assert a.alloc_extend(t(0, 0), t(4, 4), t(-1, -1), 8).tolist() == [12, 13, 14, 15, 16, 17, 18, 19]
+    assert a.alloc_extend(t(0, 0), t(4, 4), t(-1, -1), 8).tolist() == [
+        12,
+        13,
+        14,
+        15,
+        16,
+        17,
+        18,
+        19,
+    ]
 
 
 def test_paged_extend_of_an_empty_batch():
@@ -481,11 +507,27 @@ def test_paged_extend_of_an_empty_batch():
     "args, error, match",
     [
         ((t(3), t(2), t(6), 0), ValueError, "seq_lens must be >= prefix_lens"),
-        ((t(0), t(3), t(-1), 4), ValueError, r"extend_num_tokens=4 but sum\(seq_lens - prefix_lens\)=3"),
-        ((t(2), t(4), t(6), 2), ValueError, r"last_loc that is not a usable slot at offset \(prefix_len - 1\)"),
-        ((t(3), t(4), t(2), 1), ValueError, "1 request.s. have a last_loc that is not a usable slot"),
+        (
+            (t(0), t(3), t(-1), 4),
+            ValueError,
+            r"extend_num_tokens=4 but sum\(seq_lens - prefix_lens\)=3",
+        ),
+        (
+            (t(2), t(4), t(6), 2),
+            ValueError,
+            r"last_loc that is not a usable slot at offset \(prefix_len - 1\)",
+        ),
+        (
+            (t(3), t(4), t(2), 1),
+            ValueError,
+            "1 request.s. have a last_loc that is not a usable slot",
+        ),
         ((t(3), t(4), t(38), 1), ValueError, "last_loc that is not a usable slot"),
-        ((t(0, 1), t(3), t(-1), 3), ValueError, "batch tensors differ in length: prefix_lens=2, seq_lens=1"),
+        (
+            (t(0, 1), t(3), t(-1), 3),
+            ValueError,
+            "batch tensors differ in length: prefix_lens=2, seq_lens=1",
+        ),
         ((t(0), torch.tensor([3.0]), t(-1), 3), TypeError, "seq_lens has dtype torch.float32"),
         ((t(0), t(3), t(-1), -3), ValueError, "extend_num_tokens must be >= 0"),
     ],
@@ -513,7 +555,9 @@ def test_paged_decode_short_and_bad_input():
     assert a.alloc_decode(t(3), t(5)).tolist() == [6]
     with pytest.raises(ValueError, match="seq_lens < 1 or a last_loc"):
         a.alloc_decode(t(0), t(-1))
-    with pytest.raises(ValueError, match=r"not a usable slot at offset \(seq_len - 2\) % page_size"):
+    with pytest.raises(
+        ValueError, match=r"not a usable slot at offset \(seq_len - 2\) % page_size"
+    ):
         a.alloc_decode(t(3), t(6))
     with pytest.raises(ValueError, match="not a usable slot"):
         a.alloc_decode(t(3), t(1))  # offset fits, but slot 1 is in the padding page
@@ -539,33 +583,52 @@ def test_paged_extend_and_decode_match_a_token_by_token_reference(page_size, req
     a = paged(300 * page_size, page_size, debug_checks=True)  # room for 6 requests of 41 tokens
     # give each request its prefix first
     prefix_lens = [pre for pre, _ in requests]
-    prefix = a.alloc_extend(t(*[0] * len(requests)), t(*prefix_lens), t(*[-1] * len(requests)), sum(prefix_lens))
+    prefix = a.alloc_extend(
+        t(*[0] * len(requests)), t(*prefix_lens), t(*[-1] * len(requests)), sum(prefix_lens)
+    )
     ends = torch.cumsum(t(*prefix_lens), 0)
     last_loc = [int(prefix[e - 1]) if pre else -1 for pre, e in zip(prefix_lens, ends.tolist())]
 
     seq_lens = [pre + ext for pre, ext in requests]
     new_pages = sum(-(-s // page_size) - -(-p // page_size) for p, s in zip(prefix_lens, seq_lens))
-    pages = copy.deepcopy(a).alloc(new_pages * page_size)[::page_size].div(page_size, rounding_mode="floor").tolist()
+    pages = (
+        copy.deepcopy(a)
+        .alloc(new_pages * page_size)[::page_size]
+        .div(page_size, rounding_mode="floor")
+        .tolist()
+    )
     expected = []
     for pre, seq, last in zip(prefix_lens, seq_lens, last_loc):
         expected += fill_pages(pages, page_size, pre, seq - pre, last)
     free_before = a.available_size()
-    out = a.alloc_extend(t(*prefix_lens), t(*seq_lens), t(*last_loc), sum(seq_lens) - sum(prefix_lens))
+    out = a.alloc_extend(
+        t(*prefix_lens), t(*seq_lens), t(*last_loc), sum(seq_lens) - sum(prefix_lens)
+    )
     assert out.tolist() == expected
     assert a.available_size() == free_before - new_pages * page_size
 
     # then one decode step for every request
     ends = [e for e in torch.cumsum(t(*(s - p for p, s in zip(prefix_lens, seq_lens))), 0).tolist()]
-    last_loc = [int(out[e - 1]) if s > p else last for p, s, e, last in zip(prefix_lens, seq_lens, ends, last_loc)]
+    last_loc = [
+        int(out[e - 1]) if s > p else last
+        for p, s, e, last in zip(prefix_lens, seq_lens, ends, last_loc)
+    ]
     dec_pages = sum(1 for s in seq_lens if s % page_size == 0)
-    pages = copy.deepcopy(a).alloc(dec_pages * page_size)[::page_size].div(page_size, rounding_mode="floor").tolist()
+    pages = (
+        copy.deepcopy(a)
+        .alloc(dec_pages * page_size)[::page_size]
+        .div(page_size, rounding_mode="floor")
+        .tolist()
+    )
     expected = [fill_pages(pages, page_size, s, 1, last)[0] for s, last in zip(seq_lens, last_loc)]
     out = a.alloc_decode(t(*(s + 1 for s in seq_lens)), t(*last_loc))
     assert out.tolist() == expected
 
 
 def test_paged_from_geometry():
-    g = PoolGeometry(capacity_tokens=64, page_size=16, num_layers=1, kv_heads=1, head_dim=4, device="cpu")
+    g = PoolGeometry(
+        capacity_tokens=64, page_size=16, num_layers=1, kv_heads=1, head_dim=4, device="cpu"
+    )
     a = PagedAllocator.from_geometry(g, PagedAllocatorOptions())
     assert (a.size, a.page_size, a.num_pages) == (64, 16, 4)
     assert a.pool.get_k(0).shape == (80, 1, 4)
@@ -574,7 +637,11 @@ def test_paged_from_geometry():
 
 @pytest.mark.parametrize(
     "size, page_size, match",
-    [(30, 4, "size=30 is not a multiple of page_size=4"), (32, 0, "page_size must be a positive int"), (0, 4, "must be > 0")],
+    [
+        (30, 4, "size=30 is not a multiple of page_size=4"),
+        (32, 0, "page_size must be a positive int"),
+        (0, 4, "must be > 0"),
+    ],
 )
 def test_paged_bad_construction(size, page_size, match):
     with pytest.raises(ValueError, match=match):
@@ -592,7 +659,13 @@ def swa(size: int = 16, size_swa: int = 4, window: int = 4, **kw) -> SWAAllocato
 
 def test_swa_fresh_state_and_protocol():
     a = swa(16, 4, 8)
-    assert (a.size, a.size_full, a.size_swa, a.sliding_window_size, a.page_size) == (16, 16, 4, 8, 1)
+    assert (a.size, a.size_full, a.size_swa, a.sliding_window_size, a.page_size) == (
+        16,
+        16,
+        4,
+        8,
+        1,
+    )
     assert (a.full_available_size(), a.swa_available_size(), a.available_size()) == (16, 4, 4)
     assert isinstance(a, SWATokenAllocator)
 
@@ -671,7 +744,11 @@ def test_swa_shortfall_per_pool():
 def test_swa_bad_free_changes_nothing():
     a = swa(8, 4, debug_checks=True)
     full = a.alloc(2)
-    for bad, match in [(t(0), "slot 0"), (t(9), "slot 9 out of range"), (t(5), "slot 5 is already free")]:
+    for bad, match in [
+        (t(0), "slot 0"),
+        (t(9), "slot 9 out of range"),
+        (t(5), "slot 5 is already free"),
+    ]:
         with pytest.raises(ValueError, match=match):
             a.free(bad)
     with pytest.raises(ValueError, match="slot 0"):
@@ -702,14 +779,20 @@ def test_default_swa_layer_split():
 
 
 def test_swa_from_geometry_builds_a_hybrid_pool():
-    g = PoolGeometry(capacity_tokens=32, num_layers=6, kv_heads=1, head_dim=4, dtype="float32", device="cpu")
-    a = SWAAllocator.from_geometry(g, SWAAllocatorOptions(swa_capacity_tokens=8, sliding_window_size=4))
+    g = PoolGeometry(
+        capacity_tokens=32, num_layers=6, kv_heads=1, head_dim=4, dtype="float32", device="cpu"
+    )
+    a = SWAAllocator.from_geometry(
+        g, SWAAllocatorOptions(swa_capacity_tokens=8, sliding_window_size=4)
+    )
     assert isinstance(a.pool, HybridSWAKVPool)
     assert a.pool.swa_layer_ids == (0, 2, 4) and a.pool.full_layer_ids == (1, 3, 5)
     assert (a.size, a.size_swa) == (32, 8)
     assert a.full_allocator.pool is a.pool.full and a.swa_allocator.pool is a.pool.swa
     full = a.alloc(2)
-    a.pool.set_kv(0, a.translate_loc_from_full_to_swa(full), torch.ones(2, 1, 4), torch.ones(2, 1, 4))
+    a.pool.set_kv(
+        0, a.translate_loc_from_full_to_swa(full), torch.ones(2, 1, 4), torch.ones(2, 1, 4)
+    )
     a.pool.set_kv(1, full, torch.full((2, 1, 4), 2.0), torch.ones(2, 1, 4))
     assert a.pool.swa.get_k(0)[1:3].sum().item() == 8.0
     assert a.pool.full.get_k(0)[1:3].sum().item() == 16.0
@@ -722,7 +805,9 @@ def test_swa_from_geometry_builds_a_hybrid_pool():
 
 def test_paged_swa_from_geometry():
     g = PoolGeometry(capacity_tokens=64, page_size=4, num_layers=2, head_dim=4, device="cpu")
-    a = SWAAllocator.from_geometry(g, SWAAllocatorOptions(swa_capacity_tokens=16, sliding_window_size=8))
+    a = SWAAllocator.from_geometry(
+        g, SWAAllocatorOptions(swa_capacity_tokens=16, sliding_window_size=8)
+    )
     assert (a.page_size, a.full_allocator.page_size, a.swa_allocator.page_size) == (4, 4, 4)
     assert type(a.full_allocator) is PagedAllocator
     assert a.pool.full.get_k(0).shape == (68, 1, 4) and a.pool.swa.get_k(0).shape == (20, 1, 4)
@@ -760,7 +845,9 @@ def test_paged_swa_allocation_short_on_one_side_takes_nothing_on_either():
     a = paged_swa()
     x = a.alloc_extend(t(0), t(13), t(-1), 13)  # 4 pages each side; window has 0 pages left
     before = (snapshot(a.full_allocator), snapshot(a.swa_allocator))
-    assert a.alloc_extend(t(13), t(17), x[-1:], 4) is None  # continues page 4, then needs a new page
+    assert (
+        a.alloc_extend(t(13), t(17), x[-1:], 4) is None
+    )  # continues page 4, then needs a new page
     assert a.alloc_decode(t(17), t(int(x[-1]) + 3)) is None
     assert (snapshot(a.full_allocator), snapshot(a.swa_allocator)) == before
     assert a.alloc_extend(t(13), t(16), x[-1:], 3).tolist() == [17, 18, 19]  # stays in its page
@@ -780,7 +867,20 @@ def test_paged_swa_frees_whole_pages_on_each_side():
     a = paged_swa()
     x = a.alloc(12)
     a.free_swa(x[1:2])  # one slot of the first page: its whole window page goes
-    assert a.translate_loc_from_full_to_swa(x).tolist() == [0, 0, 0, 0, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert a.translate_loc_from_full_to_swa(x).tolist() == [
+        0,
+        0,
+        0,
+        0,
+        8,
+        9,
+        10,
+        11,
+        12,
+        13,
+        14,
+        15,
+    ]
     assert (a.full_available_size(), a.swa_available_size()) == (20, 8)
     a.free(x[5:6])  # one slot of the second page: both sides of that page go
     assert a.translate_loc_from_full_to_swa(x[4:8]).tolist() == [0, 0, 0, 0]
@@ -800,8 +900,10 @@ def test_paged_swa_shortfall_rounds_each_side_to_pages():
 
 def test_swa_from_geometry_errors():
     g = PoolGeometry(capacity_tokens=32, num_layers=4, device="cpu")
-    opts = dict(swa_capacity_tokens=8, sliding_window_size=4)
-    with pytest.raises(ValueError, match=r"swa_layer_ids \[4, 7\] out of range: the model has 4 layer"):
+    opts = {"swa_capacity_tokens": 8, "sliding_window_size": 4}
+    with pytest.raises(
+        ValueError, match=r"swa_layer_ids \[4, 7\] out of range: the model has 4 layer"
+    ):
         SWAAllocator.from_geometry(g, SWAAllocatorOptions(**opts, swa_layer_ids=[1, 4, 7]))
     with pytest.raises(ValueError, match="swa_capacity_tokens=10 is not a multiple of page_size=4"):
         SWAAllocator.from_geometry(
@@ -813,13 +915,22 @@ def test_swa_from_geometry_errors():
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(sliding_window_size=4), "swa_capacity_tokens"),
-        (dict(swa_capacity_tokens=0, sliding_window_size=4), "swa_capacity_tokens"),
-        (dict(swa_capacity_tokens=8, sliding_window_size=-1), "sliding_window_size"),
-        (dict(swa_capacity_tokens=8, sliding_window_size=4, swa_layer_ids=[1, 1]), "distinct non-negative"),
-        (dict(swa_capacity_tokens=8, sliding_window_size=4, swa_layer_ids=[]), "swa_layer_ids is empty"),
-        (dict(swa_capacity_tokens=8, sliding_window_size=4, full_attention_interval=0), "full_attention_interval"),
-        (dict(swa_capacity_tokens="8", sliding_window_size=4), "swa_capacity_tokens"),
+        ({"sliding_window_size": 4}, "swa_capacity_tokens"),
+        ({"swa_capacity_tokens": 0, "sliding_window_size": 4}, "swa_capacity_tokens"),
+        ({"swa_capacity_tokens": 8, "sliding_window_size": -1}, "sliding_window_size"),
+        (
+            {"swa_capacity_tokens": 8, "sliding_window_size": 4, "swa_layer_ids": [1, 1]},
+            "distinct non-negative",
+        ),
+        (
+            {"swa_capacity_tokens": 8, "sliding_window_size": 4, "swa_layer_ids": []},
+            "swa_layer_ids is empty",
+        ),
+        (
+            {"swa_capacity_tokens": 8, "sliding_window_size": 4, "full_attention_interval": 0},
+            "full_attention_interval",
+        ),
+        ({"swa_capacity_tokens": "8", "sliding_window_size": 4}, "swa_capacity_tokens"),
     ],
 )
 def test_swa_options_validation(options, match):
@@ -856,7 +967,9 @@ def test_bad_allocator_options_are_a_validation_error_naming_the_field():
     from kvplug.registry import get_registry
 
     with pytest.raises(ValidationError, match="swa_capacity_tokens"):
-        get_registry().resolve("allocator", ComponentSelection(name="swa", options={"sliding_window_size": 8}))
+        get_registry().resolve(
+            "allocator", ComponentSelection(name="swa", options={"sliding_window_size": 8})
+        )
 
 
 # kvplug.build needs every built-in cache module; until the swa_radix cache lands the caches plugin
@@ -870,14 +983,21 @@ def test_bad_allocator_options_are_a_validation_error_naming_the_field():
     ],
 )
 def test_kvplug_build_returns_a_working_allocator_and_pool(allocator, page_size):
-    pytest.importorskip("kvplug.caches.swa_radix", reason="build() needs every built-in prefix cache")
+    pytest.importorskip(
+        "kvplug.caches.swa_radix", reason="build() needs every built-in prefix cache"
+    )
     import kvplug
 
     stack = kvplug.build(
         {
             "allocator": allocator,
             "prefix_cache": "chunk",
-            "pool": {"capacity_tokens": 64, "page_size": page_size, "num_layers": 2, "device": "cpu"},
+            "pool": {
+                "capacity_tokens": 64,
+                "page_size": page_size,
+                "num_layers": 2,
+                "device": "cpu",
+            },
         }
     )
     slots = stack.allocator.alloc(2 * page_size)

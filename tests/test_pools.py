@@ -14,7 +14,7 @@ CPU = torch.device("cpu")
 
 def make_pool(capacity_tokens: int = 8, **kw) -> MHAKVPool:
     """8 slots + 1 padding row, 2 layers, 2 heads of dim 4, float32 on the CPU."""
-    args = dict(num_layers=2, kv_heads=2, head_dim=4, dtype="float32", device="cpu")
+    args = {"num_layers": 2, "kv_heads": 2, "head_dim": 4, "dtype": "float32", "device": "cpu"}
     return MHAKVPool(capacity_tokens, **{**args, **kw})
 
 
@@ -61,7 +61,9 @@ def test_resolve_dtype():
 
 
 def test_buffers_have_capacity_plus_one_page_rows_and_exact_bytes():
-    pool = MHAKVPool(64, num_layers=3, kv_heads=4, head_dim=8, page_size=16, dtype="bfloat16", device="cpu")
+    pool = MHAKVPool(
+        64, num_layers=3, kv_heads=4, head_dim=8, page_size=16, dtype="bfloat16", device="cpu"
+    )
     assert pool.num_rows == 80
     for layer in range(3):
         assert pool.get_k(layer).shape == (80, 4, 8)
@@ -76,7 +78,13 @@ def test_buffers_have_capacity_plus_one_page_rows_and_exact_bytes():
 
 def test_from_geometry_uses_every_field():
     geometry = PoolGeometry(
-        capacity_tokens=32, page_size=4, num_layers=2, kv_heads=3, head_dim=16, dtype="float32", device="cpu"
+        capacity_tokens=32,
+        page_size=4,
+        num_layers=2,
+        kv_heads=3,
+        head_dim=16,
+        dtype="float32",
+        device="cpu",
     )
     pool = MHAKVPool.from_geometry(geometry)
     assert (pool.capacity_tokens, pool.page_size, pool.num_layers) == (32, 4, 2)
@@ -125,15 +133,33 @@ def test_fp8_pool_stores_bytes_and_reads_fp8():
 @pytest.mark.parametrize(
     "layer, loc, k, error, match",
     [
-        (2, torch.tensor([1]), torch.zeros(1, 2, 4), ValueError, "layer 2 out of range: this pool has 2"),
+        (
+            2,
+            torch.tensor([1]),
+            torch.zeros(1, 2, 4),
+            ValueError,
+            "layer 2 out of range: this pool has 2",
+        ),
         (-1, torch.tensor([1]), torch.zeros(1, 2, 4), ValueError, "layer -1 out of range"),
         (True, torch.tensor([1]), torch.zeros(1, 2, 4), TypeError, "layer must be an int"),
         (0, [1], torch.zeros(1, 2, 4), TypeError, "loc must be a torch.Tensor"),
         (0, torch.tensor([1.0]), torch.zeros(1, 2, 4), TypeError, "loc has dtype torch.float32"),
         (0, torch.tensor([[1]]), torch.zeros(1, 2, 4), ValueError, "loc must be 1-D"),
-        (0, torch.tensor([1, 2]), torch.zeros(1, 2, 4), ValueError, r"k has shape \(1, 2, 4\), expected \(2, 2, 4\)"),
+        (
+            0,
+            torch.tensor([1, 2]),
+            torch.zeros(1, 2, 4),
+            ValueError,
+            r"k has shape \(1, 2, 4\), expected \(2, 2, 4\)",
+        ),
         (0, torch.tensor([1]), torch.zeros(1, 8), ValueError, "k has shape"),
-        (0, torch.tensor([1]), torch.zeros(1, 2, 4, dtype=torch.int32), TypeError, "k has dtype torch.int32"),
+        (
+            0,
+            torch.tensor([1]),
+            torch.zeros(1, 2, 4, dtype=torch.int32),
+            TypeError,
+            "k has dtype torch.int32",
+        ),
         (0, torch.tensor([1]), "k", TypeError, "k must be a torch.Tensor"),
     ],
 )
@@ -164,13 +190,17 @@ def test_set_kv_rejects_tensors_on_another_device():
 @pytest.mark.parametrize(
     "kw, error, match",
     [
-        (dict(capacity_tokens=0), ValueError, "capacity_tokens must be >= 1, got 0"),
-        (dict(capacity_tokens=10, page_size=4), ValueError, "capacity_tokens=10 is not a multiple of page_size=4"),
-        (dict(page_size=0), ValueError, "page_size must be >= 1"),
-        (dict(kv_heads=0), ValueError, "kv_heads must be >= 1"),
-        (dict(head_dim=2.0), TypeError, "head_dim must be an int"),
-        (dict(num_layers=-1), ValueError, "num_layers must be >= 0"),
-        (dict(dtype="int8"), ValueError, "unsupported KV dtype"),
+        ({"capacity_tokens": 0}, ValueError, "capacity_tokens must be >= 1, got 0"),
+        (
+            {"capacity_tokens": 10, "page_size": 4},
+            ValueError,
+            "capacity_tokens=10 is not a multiple of page_size=4",
+        ),
+        ({"page_size": 0}, ValueError, "page_size must be >= 1"),
+        ({"kv_heads": 0}, ValueError, "kv_heads must be >= 1"),
+        ({"head_dim": 2.0}, TypeError, "head_dim must be an int"),
+        ({"num_layers": -1}, ValueError, "num_layers must be >= 0"),
+        ({"dtype": "int8"}, ValueError, "unsupported KV dtype"),
     ],
 )
 def test_bad_pool_arguments_are_clear_errors(kw, error, match):
@@ -181,7 +211,9 @@ def test_bad_pool_arguments_are_clear_errors(kw, error, match):
 def test_geometry_rejects_capacity_zero_and_non_dividing_page_size():
     with pytest.raises(ValidationError, match="capacity_tokens"):
         PoolGeometry(capacity_tokens=0)
-    with pytest.raises(ValidationError, match="capacity_tokens=10 is not a multiple of page_size=4"):
+    with pytest.raises(
+        ValidationError, match="capacity_tokens=10 is not a multiple of page_size=4"
+    ):
         PoolGeometry(capacity_tokens=10, page_size=4)
 
 
@@ -190,7 +222,14 @@ def test_geometry_rejects_capacity_zero_and_non_dividing_page_size():
 
 def make_hybrid() -> HybridSWAKVPool:
     return HybridSWAKVPool(
-        16, 4, full_layer_ids=[1, 3], swa_layer_ids=[0, 2], kv_heads=1, head_dim=2, dtype="float32", device="cpu"
+        16,
+        4,
+        full_layer_ids=[1, 3],
+        swa_layer_ids=[0, 2],
+        kv_heads=1,
+        head_dim=2,
+        dtype="float32",
+        device="cpu",
     )
 
 
@@ -233,7 +272,9 @@ def test_hybrid_pool_window_layers_are_indexed_by_window_slots():
 )
 def test_hybrid_pool_rejects_bad_layer_splits(full, swa, match):
     with pytest.raises(ValueError, match=match):
-        HybridSWAKVPool(8, 4, full_layer_ids=full, swa_layer_ids=swa, kv_heads=1, head_dim=2, device="cpu")
+        HybridSWAKVPool(
+            8, 4, full_layer_ids=full, swa_layer_ids=swa, kv_heads=1, head_dim=2, device="cpu"
+        )
 
 
 def test_hybrid_pool_unknown_layer_is_a_clear_error():
@@ -242,6 +283,8 @@ def test_hybrid_pool_unknown_layer_is_a_clear_error():
 
 
 def test_hybrid_pool_allows_all_window_layers():
-    pool = HybridSWAKVPool(8, 4, full_layer_ids=[], swa_layer_ids=[0, 1], kv_heads=1, head_dim=2, device="cpu")
+    pool = HybridSWAKVPool(
+        8, 4, full_layer_ids=[], swa_layer_ids=[0, 1], kv_heads=1, head_dim=2, device="cpu"
+    )
     assert pool.full.num_layers == 0 and pool.swa.num_layers == 2
     assert pool.full.mem_bytes() == 0

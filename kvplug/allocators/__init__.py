@@ -1,8 +1,8 @@
-"""Built-in token allocators: ``standard`` (slots), ``paged`` (whole pages), ``swa`` (full + window)."""
+"""Built-in token allocators: ``standard`` (slots), ``paged`` (pages), ``swa`` (full + window)."""
 
-from .base import BaseAllocator, FreeIdStack
+from .base import AllocatorCheckOptions, BaseAllocator, FreeIdStack
 from .paged import PagedAllocator, PagedAllocatorOptions
-from .standard import AllocatorCheckOptions, StandardAllocator, StandardAllocatorOptions
+from .standard import StandardAllocator, StandardAllocatorOptions
 from .swa import SWAAllocator, SWAAllocatorOptions, default_swa_layer_ids
 
 __all__ = [

@@ -17,11 +17,25 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from kvplug_hookspecs import EvictParams
+from kvplug_hookspecs import EvictParams, FrozenModel
+from pydantic import Field
 
 from ..pools import check_index_tensor, resolve_device
 
-__all__ = ["BaseAllocator", "FreeIdStack", "check_size"]
+__all__ = ["AllocatorCheckOptions", "BaseAllocator", "FreeIdStack", "check_size"]
+
+
+class AllocatorCheckOptions(FrozenModel):
+    """Safety checks every built-in allocator offers."""
+
+    debug_checks: bool = Field(
+        False, strict=True, description="track free slots on the device and reject double frees"
+    )
+    check_bounds: bool = Field(
+        True,
+        strict=True,
+        description="range-check freed indices (one host sync per free call or free group)",
+    )
 
 
 def check_size(value: Any, what: str) -> int:
@@ -46,15 +60,19 @@ class FreeIdStack:
     ``track=True`` keeps a device bool mask ``is_free`` that rejects double frees (debug mode).
     """
 
-    def __init__(self, first: int, count: int, device: torch.device, *, track: bool, unit: str) -> None:
+    def __init__(
+        self, first: int, count: int, device: torch.device, *, track: bool, unit: str
+    ) -> None:
         self.first, self.count, self.unit = first, count, unit
         self._ids = torch.empty(count, dtype=torch.int64, device=device)
-        self.is_free = torch.empty(first + count, dtype=torch.bool, device=device) if track else None
+        self.is_free = (
+            torch.empty(first + count, dtype=torch.bool, device=device) if track else None
+        )
         self.top = 0
         self.reset()
 
     def reset(self) -> None:
-        """Every id free again, in ascending order (the first ``pop`` returns ``first, first+1, ...``)."""
+        """Every id free again, in ascending order (the first ``pop`` returns ``first, ...``)."""
         torch.arange(self.first, self.first + self.count, out=self._ids)
         self.top = 0
         if self.is_free is not None:
@@ -86,7 +104,8 @@ class FreeIdStack:
         n = ids.numel()
         if n > self.top:
             raise ValueError(
-                f"freeing {n} {self.unit}(s) but only {self.top} are allocated: some are freed twice"
+                f"freeing {n} {self.unit}(s) but only {self.top} are allocated: "
+                "some are freed twice"
             )
         if self.is_free is not None:
             self._check_not_free(ids)
@@ -226,7 +245,9 @@ class BaseAllocator:
                     "and is never allocated"
                 )
             if not self._low <= bad <= self._high:
-                raise ValueError(f"slot {bad} out of range: valid slots are {self._low}..{self._high}")
+                raise ValueError(
+                    f"slot {bad} out of range: valid slots are {self._low}..{self._high}"
+                )
 
     # -- eviction contract --------------------------------------------------------------------
     def shortfall(self, num_tokens: int) -> EvictParams | None:

@@ -1,4 +1,4 @@
-"""The ``paged`` allocator: whole pages of ``page_size`` slots, SGLang's PagedTokenToKVPoolAllocator.
+"""The ``paged`` allocator: whole pages of slots, like SGLang's PagedTokenToKVPoolAllocator.
 
 Page ``p`` holds slots ``p * page_size .. p * page_size + page_size - 1``; page 0 is the padding
 page. A request's tokens fill its pages in order, so its last page may be partial: extend and
@@ -15,8 +15,7 @@ import torch
 from kvplug_hookspecs import PoolGeometry
 
 from ..pools import MHAKVPool
-from .base import BaseAllocator, FreeIdStack, check_size
-from .standard import AllocatorCheckOptions
+from .base import AllocatorCheckOptions, BaseAllocator, FreeIdStack, check_size
 
 __all__ = ["PagedAllocator", "PagedAllocatorOptions"]
 
@@ -42,10 +41,17 @@ class PagedAllocator(BaseAllocator):
         check_bounds: bool = True,
     ) -> None:
         super().__init__(
-            size, page_size, device=device, pool=pool, debug_checks=debug_checks, check_bounds=check_bounds
+            size,
+            page_size,
+            device=device,
+            pool=pool,
+            debug_checks=debug_checks,
+            check_bounds=check_bounds,
         )
         self.num_pages = size // page_size
-        self._stack = FreeIdStack(1, self.num_pages, self.device, track=self.debug_checks, unit="page")
+        self._stack = FreeIdStack(
+            1, self.num_pages, self.device, track=self.debug_checks, unit="page"
+        )
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
 
     @classmethod
@@ -128,7 +134,9 @@ class PagedAllocator(BaseAllocator):
         req = torch.repeat_interleave(
             torch.arange(pre.numel(), device=self.device), ext, output_size=total
         )
-        j = torch.arange(total, device=self.device) - (torch.cumsum(ext, 0) - ext).index_select(0, req)
+        j = torch.arange(total, device=self.device) - (torch.cumsum(ext, 0) - ext).index_select(
+            0, req
+        )
         k = j - in_last_page.index_select(0, req)
         out = last.index_select(0, req) + 1 + j
         if num_new_pages:

@@ -1,30 +1,16 @@
-"""The ``standard`` allocator: one KV slot per token (page size 1), SGLang's TokenToKVPoolAllocator."""
+"""The ``standard`` allocator: one slot per token (page size 1), as SGLang's token allocator."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from kvplug_hookspecs import FrozenModel, PoolGeometry
-from pydantic import Field
+from kvplug_hookspecs import PoolGeometry
 
 from ..pools import MHAKVPool
-from .base import BaseAllocator, FreeIdStack, check_size
+from .base import AllocatorCheckOptions, BaseAllocator, FreeIdStack, check_size
 
-__all__ = ["AllocatorCheckOptions", "StandardAllocator", "StandardAllocatorOptions"]
-
-
-class AllocatorCheckOptions(FrozenModel):
-    """Safety checks every built-in allocator offers."""
-
-    debug_checks: bool = Field(
-        False, strict=True, description="track free slots on the device and reject double frees"
-    )
-    check_bounds: bool = Field(
-        True,
-        strict=True,
-        description="range-check freed indices (one host sync per free call; off for overlap schedulers)",
-    )
+__all__ = ["StandardAllocator", "StandardAllocatorOptions"]
 
 
 class StandardAllocatorOptions(AllocatorCheckOptions):

@@ -20,9 +20,9 @@ from kvplug_hookspecs import EvictParams, PoolGeometry
 from pydantic import Field, field_validator
 
 from ..pools import HybridSWAKVPool
-from .base import BaseAllocator, check_size
+from .base import AllocatorCheckOptions, BaseAllocator, check_size
 from .paged import PagedAllocator
-from .standard import AllocatorCheckOptions, StandardAllocator
+from .standard import StandardAllocator
 
 __all__ = ["SWAAllocator", "SWAAllocatorOptions", "default_swa_layer_ids"]
 
@@ -41,10 +41,15 @@ class SWAAllocatorOptions(AllocatorCheckOptions):
     swa_capacity_tokens: int = Field(strict=True, gt=0, description="slots of the window pool")
     sliding_window_size: int = Field(strict=True, gt=0, description="attention window in tokens")
     swa_layer_ids: tuple[int, ...] | None = Field(
-        None, description="sliding-window layers; default: every layer that is not full by full_attention_interval"
+        None,
+        description="sliding-window layers; default: the layers full_attention_interval "
+        "does not make full",
     )
     full_attention_interval: int = Field(
-        2, strict=True, gt=0, description="with swa_layer_ids unset: every Nth layer is full attention"
+        2,
+        strict=True,
+        gt=0,
+        description="with swa_layer_ids unset: every Nth layer is full attention",
     )
 
     @field_validator("swa_layer_ids")
@@ -53,9 +58,14 @@ class SWAAllocatorOptions(AllocatorCheckOptions):
         if value is None:
             return None
         if not value:
-            raise ValueError("swa_layer_ids is empty; use the 'standard' allocator for a model without window layers")
+            raise ValueError(
+                "swa_layer_ids is empty; use the 'standard' allocator for a model without "
+                "window layers"
+            )
         if any(i < 0 for i in value) or len(set(value)) != len(value):
-            raise ValueError(f"swa_layer_ids must be distinct non-negative layer ids, got {list(value)}")
+            raise ValueError(
+                f"swa_layer_ids must be distinct non-negative layer ids, got {list(value)}"
+            )
         return tuple(sorted(value))
 
 
@@ -82,11 +92,22 @@ class SWAAllocator(BaseAllocator):
         check_bounds: bool = True,
     ) -> None:
         super().__init__(
-            size, page_size, device=device, pool=pool, debug_checks=debug_checks, check_bounds=check_bounds
+            size,
+            page_size,
+            device=device,
+            pool=pool,
+            debug_checks=debug_checks,
+            check_bounds=check_bounds,
         )
-        if isinstance(sliding_window_size, bool) or not isinstance(sliding_window_size, int) or sliding_window_size <= 0:
-            raise ValueError(f"sliding_window_size must be a positive int, got {sliding_window_size!r}")
-        checks = dict(device=self.device, debug_checks=debug_checks, check_bounds=check_bounds)
+        if (
+            isinstance(sliding_window_size, bool)
+            or not isinstance(sliding_window_size, int)
+            or sliding_window_size <= 0
+        ):
+            raise ValueError(
+                f"sliding_window_size must be a positive int, got {sliding_window_size!r}"
+            )
+        checks = {"device": self.device, "debug_checks": debug_checks, "check_bounds": check_bounds}
         full_pool, swa_pool = getattr(pool, "full", None), getattr(pool, "swa", None)
         if page_size == 1:
             self.full_allocator = StandardAllocator(size, pool=full_pool, **checks)
@@ -96,7 +117,9 @@ class SWAAllocator(BaseAllocator):
             self.swa_allocator = PagedAllocator(size_swa, page_size, pool=swa_pool, **checks)
         self.size_swa = size_swa
         self.sliding_window_size = sliding_window_size
-        self.full_to_swa_index_mapping = torch.zeros(size + page_size, dtype=torch.int64, device=self.device)
+        self.full_to_swa_index_mapping = torch.zeros(
+            size + page_size, dtype=torch.int64, device=self.device
+        )
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
 
     @classmethod
@@ -113,7 +136,8 @@ class SWAAllocator(BaseAllocator):
         out_of_range = [i for i in swa_ids if i >= geometry.num_layers]
         if out_of_range:
             raise ValueError(
-                f"swa_layer_ids {out_of_range} out of range: the model has {geometry.num_layers} layer(s)"
+                f"swa_layer_ids {out_of_range} out of range: the model has "
+                f"{geometry.num_layers} layer(s)"
             )
         full_ids = [i for i in range(geometry.num_layers) if i not in set(swa_ids)]
         pool = HybridSWAKVPool(
@@ -153,7 +177,7 @@ class SWAAllocator(BaseAllocator):
 
     # -- allocation: both sides or neither -------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        """``need_size`` full slots, each mapped to a new window slot; ``None`` if either side is short."""
+        """``need_size`` full slots, each mapped to a new window slot; ``None`` if one is short."""
         n = check_size(need_size, "need_size")
         if n % self.page_size:
             raise ValueError(f"need_size={n} is not a multiple of page_size={self.page_size}")
@@ -187,7 +211,7 @@ class SWAAllocator(BaseAllocator):
         return self._both(lambda a, last: a.alloc_decode(seq_lens, last), last_loc, swa_last)
 
     def _both(self, alloc, full_last: Any, swa_last: Any) -> torch.Tensor | None:
-        """Run one allocation on the full side, then the window side; undo the first if the second fails."""
+        """Allocate on the full side, then the window side; undo the first if the second fails."""
         stack = self.full_allocator._stack
         mark = stack.top  # allocations only pop: moving the top back undoes them exactly
         full = alloc(self.full_allocator, full_last)
@@ -236,7 +260,7 @@ class SWAAllocator(BaseAllocator):
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
     def free_swa(self, indices: torch.Tensor) -> None:
-        """Free only the window slots (pages) of these full slots: tokens that slid out of the window."""
+        """Free only the window slots (pages) of these full slots: tokens that left the window."""
         indices = self._check_indices(indices)
         if indices.numel() == 0:
             return
@@ -251,7 +275,10 @@ class SWAAllocator(BaseAllocator):
         return flat.view(indices.shape)
 
     def shortfall(self, num_tokens: int) -> EvictParams | None:
-        """Per-pool shortfall: ``(n - full_available, n - swa_available)`` clipped at 0, page-rounded."""
+        """Per-pool shortfall: ``n - full_available``, ``n - swa_available``, clipped at 0.
+
+        Each is rounded up to whole pages; None when both are 0.
+        """
         n = check_size(num_tokens, "num_tokens")
         ps = self.page_size
         full = -(-max(0, n - self.full_available_size()) // ps) * ps
@@ -270,6 +297,7 @@ class SWAAllocator(BaseAllocator):
     def __repr__(self) -> str:
         return (
             f"SWAAllocator(size={self.size}, size_swa={self.size_swa}, page_size={self.page_size}, "
-            f"sliding_window_size={self.sliding_window_size}, full_available={self.full_available_size()}, "
+            f"sliding_window_size={self.sliding_window_size}, "
+            f"full_available={self.full_available_size()}, "
             f"swa_available={self.swa_available_size()}, device={self.device})"
         )

@@ -389,7 +389,7 @@ def test_paged_free_frees_each_touched_page_once():
     a.alloc(16)  # pages 1..4 = slots 4..19
     a.free(t(9, 5, 6))  # slots of pages 2 and 1
     assert a.available_size() == 24
-    assert a.alloc(8).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert a.alloc(8).tolist() == [8, 9, 10, 11, 4, 5, 6, 7]  # reused in the order freed
 
 
 def test_standard_offers_the_paged_extend_and_decode_api():

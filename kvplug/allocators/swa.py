@@ -248,7 +248,7 @@ class SWAAllocator(BaseAllocator):
         """Every slot of the pages ``indices`` touch: freeing works on whole pages."""
         if self.page_size == 1:
             return indices
-        pages = torch.unique(indices // self.page_size)
+        pages = self.full_allocator.pages_of(indices)
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
 
     def _release(self, indices: torch.Tensor) -> None:

@@ -972,26 +972,26 @@ def test_bad_allocator_options_are_a_validation_error_naming_the_field():
         )
 
 
-# kvplug.build needs every built-in cache module; until the swa_radix cache lands the caches plugin
-# cannot load, so this integration test skips (it runs unchanged once it exists).
+SWA_OPTIONS = {"swa_capacity_tokens": 16, "sliding_window_size": 8}
+
+
 @pytest.mark.parametrize(
-    "allocator, page_size",
+    "allocator, cache, page_size, cls",
     [
-        ("standard", 1),
-        ("paged", 4),
-        ({"name": "swa", "options": {"swa_capacity_tokens": 16, "sliding_window_size": 8}}, 1),
+        ("standard", "radix", 1, StandardAllocator),
+        ("paged", "radix", 4, PagedAllocator),
+        ("paged", "block_hash", 4, PagedAllocator),
+        ({"name": "swa", "options": SWA_OPTIONS}, "swa_radix", 1, SWAAllocator),
+        ({"name": "swa", "options": SWA_OPTIONS}, "swa_radix", 4, SWAAllocator),
     ],
 )
-def test_kvplug_build_returns_a_working_allocator_and_pool(allocator, page_size):
-    pytest.importorskip(
-        "kvplug.caches.swa_radix", reason="build() needs every built-in prefix cache"
-    )
+def test_kvplug_build_returns_a_working_allocator_and_pool(allocator, cache, page_size, cls):
     import kvplug
 
     stack = kvplug.build(
         {
             "allocator": allocator,
-            "prefix_cache": "chunk",
+            "prefix_cache": cache,
             "pool": {
                 "capacity_tokens": 64,
                 "page_size": page_size,
@@ -1000,8 +1000,14 @@ def test_kvplug_build_returns_a_working_allocator_and_pool(allocator, page_size)
             },
         }
     )
+    assert type(stack.allocator) is cls and stack.prefix_cache.allocator is stack.allocator
+    assert stack.pool is stack.allocator.pool
     slots = stack.allocator.alloc(2 * page_size)
     assert slots.device == CPU and slots.numel() == 2 * page_size
-    assert stack.pool is stack.allocator.pool
+    k = torch.ones(slots.numel(), 1, 64, dtype=torch.float16)
+    stack.pool.set_kv(1, slots, k, k)  # layer 1 is a full-attention layer in every case
+    assert stack.pool.get_k(1)[slots].sum().item() == slots.numel() * 64
     stack.allocator.free(slots)
-    assert stack.allocator.shortfall(10_000) is not None
+    available = stack.allocator.available_size()
+    assert stack.allocator.shortfall(available + 5) is not None
+    assert stack.allocator.shortfall(available) is None

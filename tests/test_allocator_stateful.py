@@ -39,10 +39,11 @@ def free_ids(allocator, unit: int = 1) -> list[int]:
 
 class StandardMachine(RuleBasedStateMachine):
     SIZE = 24
+    DEBUG = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = StandardAllocator(self.SIZE, device="cpu", debug_checks=True)
+        self.a = StandardAllocator(self.SIZE, device="cpu", debug_checks=self.DEBUG)
         self.held: list[list[int]] = []  # allocations, each still held in full
         self.pending: list[int] = []  # freed inside the open free group
         self.grouped = False
@@ -72,7 +73,7 @@ class StandardMachine(RuleBasedStateMachine):
         if self.grouped:
             self.pending += freed
 
-    @precondition(lambda self: not self.grouped)
+    @precondition(lambda self: self.DEBUG and not self.grouped)
     @rule(data=st.data())
     def double_free_is_rejected(self, data):
         free = sorted(set(range(1, self.SIZE + 1)) - set(self.held_slots()))
@@ -84,6 +85,7 @@ class StandardMachine(RuleBasedStateMachine):
             self.a.free(tensor([slot]))
         assert free_ids(self.a) == before
 
+    @precondition(lambda self: self.DEBUG or not self.grouped)  # else checked at the group's end
     @rule(slot=st.sampled_from([0, -1, SIZE + 1]))
     def out_of_range_is_rejected(self, slot):
         before = self.a.available_size()
@@ -541,8 +543,16 @@ class PagedSWAMachine(RuleBasedStateMachine):
             assert win == expected
 
 
+class StandardMachineNoDebug(StandardMachine):
+    """The default options: bounds checked per call, or once per free group."""
+
+    DEBUG = False
+
+
 TestStandardAllocatorStateful = StandardMachine.TestCase
 TestStandardAllocatorStateful.settings = STEPS
+TestStandardAllocatorNoDebugStateful = StandardMachineNoDebug.TestCase
+TestStandardAllocatorNoDebugStateful.settings = settings(STEPS, max_examples=40)
 TestPagedAllocatorStateful = PagedMachine.TestCase
 TestPagedAllocatorStateful.settings = STEPS
 TestSWAAllocatorStateful = SWAMachine.TestCase

@@ -108,90 +108,48 @@ def paged_extend(allocator: PagedAllocator, tokens: int, batch: int = 8) -> Call
 
 
 def run_device(device: torch.device, args: argparse.Namespace) -> list[tuple]:
-    rows: list[tuple] = []
-    repeat, inner = args.repeat, args.inner
+    """Time every case on one device; rows of (device, allocator, checks, case, n, sec, ref)."""
     batches = [1, 8, 64, 512] if not args.quick else [1, 64, 512]
     extends = [1024, 4096, 16384, 65536] if not args.quick else [1024, 65536]
-
-    def record(alloc_name, case, n, seconds, ref=None, checks="on"):
-        rows.append((str(device), alloc_name, checks, case, n, seconds, ref))
-
+    rows: list[tuple] = []
     for checks in ("on", "off"):
         kw = {"device": device, "check_bounds": checks == "on"}
-        for n in batches:
-            std = StandardAllocator(CAPACITY, **kw)
-            ref = (
-                timeit(alloc_free(CatFreeList(CAPACITY, device), n), device, repeat, inner)
-                if checks == "on"
-                else None
-            )
-            record(
-                "standard",
-                "decode",
-                n,
-                timeit(alloc_free(std, n), device, repeat, inner),
-                ref,
-                checks,
-            )
-            swa = SWAAllocator(CAPACITY, CAPACITY // 4, 4096, **kw)
-            record(
-                "swa", "decode", n, timeit(alloc_free(swa, n), device, repeat, inner), None, checks
-            )
-            paged = PagedAllocator(CAPACITY, PAGE, **kw)
-            record(
-                "paged",
+
+        def std(kw=kw):
+            return StandardAllocator(CAPACITY, **kw)
+
+        def paged(kw=kw):
+            return PagedAllocator(CAPACITY, PAGE, **kw)
+
+        def swa(page_size=1, kw=kw):
+            return SWAAllocator(CAPACITY, CAPACITY // 2, 4096, page_size=page_size, **kw)
+
+        cases = [  # allocator, case, sizes, step for size n, compare with the torch.cat free list
+            ("standard", "decode", batches, lambda n: alloc_free(std(), n), True),
+            ("swa", "decode", batches, lambda n: alloc_free(swa(), n), False),
+            ("paged", "decode/new-page", batches, lambda n: paged_decode(paged(), n, True), False),
+            ("paged", "decode/in-page", batches, lambda n: paged_decode(paged(), n, False), False),
+            (
+                "swa/p16",
                 "decode/new-page",
-                n,
-                timeit(paged_decode(paged, n, True), device, repeat, inner),
-                None,
-                checks,
-            )
-            paged = PagedAllocator(CAPACITY, PAGE, **kw)
-            record(
-                "paged",
-                "decode/in-page",
-                n,
-                timeit(paged_decode(paged, n, False), device, repeat, inner),
-                None,
-                checks,
-            )
-        for n in extends:
-            std = StandardAllocator(CAPACITY, **kw)
-            ref = (
-                timeit(alloc_free(CatFreeList(CAPACITY, device), n), device, repeat, inner)
-                if checks == "on"
-                else None
-            )
-            record(
-                "standard",
-                "extend",
-                n,
-                timeit(alloc_free(std, n), device, repeat, inner),
-                ref,
-                checks,
-            )
-            swa = SWAAllocator(CAPACITY, CAPACITY // 2, 4096, **kw)
-            record(
-                "swa", "extend", n, timeit(alloc_free(swa, n), device, repeat, inner), None, checks
-            )
-            paged = PagedAllocator(CAPACITY, PAGE, **kw)
-            record(
-                "paged",
-                "alloc+free",
-                n,
-                timeit(alloc_free(paged, n), device, repeat, inner),
-                None,
-                checks,
-            )
-            paged = PagedAllocator(CAPACITY, PAGE, **kw)
-            record(
-                "paged",
-                "extend x8",
-                n,
-                timeit(paged_extend(paged, n), device, repeat, inner),
-                None,
-                checks,
-            )
+                batches,
+                lambda n: paged_decode(swa(PAGE), n, True),
+                False,
+            ),
+            ("standard", "extend", extends, lambda n: alloc_free(std(), n), True),
+            ("swa", "extend", extends, lambda n: alloc_free(swa(), n), False),
+            ("paged", "alloc+free", extends, lambda n: alloc_free(paged(), n), False),
+            ("paged", "extend x8", extends, lambda n: paged_extend(paged(), n), False),
+            ("swa/p16", "extend x8", extends, lambda n: paged_extend(swa(PAGE), n), False),
+        ]
+        for name, case, sizes, make_step, compare in cases:
+            for n in sizes:
+                seconds = timeit(make_step(n), device, args.repeat, args.inner)
+                ref = None
+                if compare and checks == "on":
+                    cat_list = CatFreeList(CAPACITY, device)
+                    ref = timeit(alloc_free(cat_list, n), device, args.repeat, args.inner)
+                rows.append((str(device), name, checks, case, n, seconds, ref))
     return rows
 
 

@@ -52,8 +52,11 @@ class SWARadixMachine(RuleBasedStateMachine):
 
     @initialize(window=st.sampled_from([1, 4, 7]), page=st.sampled_from([1, 1, 2]))
     def setup(self, window, page):
+        """Page 2 runs the allocator with paged full and window pools."""
         self.window, self.page = window, page
-        self.allocator = SWAAllocator(FULL, WINDOW_POOL, window, device="cpu", debug_checks=True)
+        self.allocator = SWAAllocator(
+            FULL, WINDOW_POOL, window, page_size=page, device="cpu", debug_checks=True
+        )
         policy = new_policy_factory(self.policy_name)
         self.cache = SWARadixCache(self.allocator, policy, page_size=page)
         self.requests: list[dict] = []
@@ -100,7 +103,7 @@ class SWARadixMachine(RuleBasedStateMachine):
         m = self.cache.match_prefix(CacheKey([], key.extra_key) if recompute else key)
         self._check_match(key, m)
         self.cache.inc_lock_ref(m.last_node)
-        need = len(key.token_ids) - m.prefix_len
+        need = round_up(len(key.token_ids) - m.prefix_len, self.page)
         params = self.allocator.shortfall(need)
         before = self._before()
         result = evict_from_tree_cache(self.cache, need)
@@ -111,7 +114,7 @@ class SWARadixMachine(RuleBasedStateMachine):
             self.cache.dec_lock_ref(m.last_node)
             return
         ids = list(key.token_ids)
-        for i, slot in enumerate(own.tolist()):
+        for i, slot in enumerate(own.tolist()[: len(ids) - m.prefix_len]):
             self.content[slot] = (key.extra_key, tuple(ids[: m.prefix_len + i + 1]))
         self.requests.append(
             dict(
@@ -151,8 +154,8 @@ class SWARadixMachine(RuleBasedStateMachine):
     def _finish(self, req: dict) -> None:
         length = len(req["key"].token_ids)
         prefix_len = len(req["matched"])
-        indices = torch.cat([req["matched"], req["own"]])
-        swa_evicted = prefix_len + req["slid"] if req["slid"] else 0
+        indices = torch.cat([req["matched"], req["own"]])[:length]
+        swa_evicted = min(prefix_len + req["slid"], length) if req["slid"] else 0
         cached = self.cache.insert(
             req["key"], indices, priority=req["priority"], swa_evicted_seqlen=swa_evicted
         )

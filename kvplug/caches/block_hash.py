@@ -43,15 +43,17 @@ from kvplug_hookspecs import (
     TokenAllocator,
 )
 
-from ..policies import LRUPolicy
 from .common import (
     CacheStats,
     CandidateStats,
     as_cache_key,
     as_token_ids,
+    cache_options,
+    cache_page_size,
     check_indices,
     emit_removed,
     emit_stored,
+    new_policy_instance,
 )
 
 __all__ = ["Block", "BlockHashCache", "BlockHashOptions"]
@@ -133,24 +135,9 @@ class BlockHashCache:
         events: CacheEvents | None = None,
         options: BlockHashOptions | None = None,
     ) -> None:
-        if options is None:
-            options = BlockHashOptions()
-        if not isinstance(options, BlockHashOptions):
-            raise TypeError(
-                f"block_hash options must be BlockHashOptions, got {type(options).__name__}"
-            )
-        if page_size is None:
-            page_size = allocator.page_size
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        if page_size % allocator.page_size:
-            raise ValueError(
-                f"page_size={page_size} is not a multiple of the allocator's page_size="
-                f"{allocator.page_size}: freeing part of an allocator page cannot free it"
-            )
-        policy = (new_policy or LRUPolicy)()
-        if not isinstance(policy, EvictionPolicy):
-            raise TypeError(f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy")
+        options = cache_options("block_hash", options, BlockHashOptions)
+        page_size = cache_page_size(page_size, allocator)
+        policy = new_policy_instance(new_policy)
         self.allocator = allocator
         self.policy = policy
         self.page_size = page_size

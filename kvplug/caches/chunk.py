@@ -27,7 +27,14 @@ from kvplug_hookspecs import (
     TokenAllocator,
 )
 
-from .common import CacheStats, as_cache_key, as_token_ids, check_indices
+from .common import (
+    CacheStats,
+    as_cache_key,
+    as_token_ids,
+    cache_options,
+    cache_page_size,
+    check_indices,
+)
 
 __all__ = ["ChunkCache", "ChunkCacheOptions"]
 
@@ -51,19 +58,13 @@ class ChunkCache:
         events: CacheEvents | None = None,
         options: ChunkCacheOptions | None = None,
     ) -> None:
-        if options is not None and not isinstance(options, NoOptions):
-            raise TypeError(
-                f"chunk options must be ChunkCacheOptions, got {type(options).__name__}"
-            )
-        if page_size is None:
-            page_size = allocator.page_size
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        options = cache_options("chunk", options, ChunkCacheOptions)
+        page_size = cache_page_size(page_size, allocator)
         self.allocator = allocator
         self.page_size = page_size
         self.device = torch.device(allocator.device)
         self.events = events
-        self.options = options or ChunkCacheOptions()
+        self.options = options
         self.stats = CacheStats()
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 

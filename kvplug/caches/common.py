@@ -7,21 +7,34 @@ behaviour must be identical across caches (what a key is, what a counter counts)
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from kvplug_hookspecs import CacheEvents, CacheKey, PrefixRemoved, PrefixStored
+from kvplug_hookspecs import (
+    CacheEvents,
+    CacheKey,
+    EvictionPolicy,
+    PrefixRemoved,
+    PrefixStored,
+    TokenAllocator,
+)
+from pydantic import BaseModel
+
+from ..policies import LRUPolicy
 
 __all__ = [
     "CacheStats",
     "CandidateStats",
     "as_cache_key",
     "as_token_ids",
+    "cache_options",
+    "cache_page_size",
     "check_indices",
     "emit_removed",
     "emit_stored",
+    "new_policy_instance",
     "same_device",
 ]
 
@@ -155,3 +168,44 @@ def emit_removed(
         events.prefix_removed(
             PrefixRemoved(cache=cache, num_tokens=num_tokens, block_hashes=block_hashes, reason=reason)
         )
+
+
+# -- constructor checks every cache shares ---------------------------------------------------
+
+_Options = TypeVar("_Options", bound=BaseModel)
+
+
+def cache_options(cache: str, options: _Options | None, options_type: type[_Options]) -> _Options:
+    """The cache's options instance (its defaults when ``None``); another type is an error."""
+    if options is None:
+        return options_type()
+    if not isinstance(options, options_type):
+        raise TypeError(
+            f"{cache} options must be {options_type.__name__}, got {type(options).__name__}"
+        )
+    return options
+
+
+def cache_page_size(page_size: int | None, allocator: TokenAllocator) -> int:
+    """The cache's page size: the allocator's by default, else a multiple of it.
+
+    A cache page smaller than an allocator page could never be freed on its own.
+    """
+    if page_size is None:
+        return allocator.page_size
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if page_size % allocator.page_size:
+        raise ValueError(
+            f"page_size={page_size} is not a multiple of the allocator's page_size="
+            f"{allocator.page_size}: evicting part of an allocator page cannot free it"
+        )
+    return page_size
+
+
+def new_policy_instance(new_policy: Callable[[], EvictionPolicy] | None) -> EvictionPolicy:
+    """A fresh policy from the factory (LRU when there is none), checked against the protocol."""
+    policy = (new_policy or LRUPolicy)()
+    if not isinstance(policy, EvictionPolicy):
+        raise TypeError(f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy")
+    return policy

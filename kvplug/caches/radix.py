@@ -50,15 +50,17 @@ from kvplug_hookspecs import (
     TokenAllocator,
 )
 
-from ..policies import LRUPolicy
 from .common import (
     CacheStats,
     CandidateStats,
     as_cache_key,
     as_token_ids,
+    cache_options,
+    cache_page_size,
     check_indices,
     emit_removed,
     emit_stored,
+    new_policy_instance,
 )
 
 __all__ = ["RadixCache", "RadixCacheOptions", "RadixNode"]
@@ -127,24 +129,9 @@ class RadixCache:
         events: CacheEvents | None = None,
         options: RadixCacheOptions | None = None,
     ) -> None:
-        if options is None:
-            options = RadixCacheOptions()
-        if not isinstance(options, RadixCacheOptions):
-            raise TypeError(
-                f"radix options must be RadixCacheOptions, got {type(options).__name__}"
-            )
-        if page_size is None:
-            page_size = allocator.page_size
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        if page_size % allocator.page_size:
-            raise ValueError(
-                f"page_size={page_size} is not a multiple of the allocator's page_size="
-                f"{allocator.page_size}: evicting part of an allocator page cannot free it"
-            )
-        policy = (new_policy or LRUPolicy)()
-        if not isinstance(policy, EvictionPolicy):
-            raise TypeError(f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy")
+        options = cache_options("radix", options, RadixCacheOptions)
+        page_size = cache_page_size(page_size, allocator)
+        policy = new_policy_instance(new_policy)
         self.allocator = allocator
         self.page_size = page_size
         self.device = torch.device(allocator.device)

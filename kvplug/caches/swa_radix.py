@@ -60,15 +60,17 @@ from kvplug_hookspecs import (
 )
 from pydantic import Field
 
-from ..policies import LRUPolicy
 from .common import (
     CacheStats,
     CandidateStats,
     as_cache_key,
     as_token_ids,
+    cache_options,
+    cache_page_size,
     check_indices,
     emit_removed,
     emit_stored,
+    new_policy_instance,
 )
 
 __all__ = ["SWARadixCache", "SWARadixNode", "SWARadixOptions"]
@@ -150,12 +152,7 @@ class SWARadixCache:
         events: CacheEvents | None = None,
         options: SWARadixOptions | None = None,
     ) -> None:
-        if options is None:
-            options = SWARadixOptions()
-        if not isinstance(options, SWARadixOptions):
-            raise TypeError(
-                f"swa_radix options must be SWARadixOptions, got {type(options).__name__}"
-            )
+        options = cache_options("swa_radix", options, SWARadixOptions)
         needed = ("free_swa", "swa_available_size", "full_available_size")
         missing = [m for m in needed if not hasattr(allocator, m)]
         if missing:
@@ -168,22 +165,8 @@ class SWARadixCache:
             window = getattr(allocator, "sliding_window_size", None)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"sliding_window_size must be a positive int, got {window!r}")
-        if page_size is None:
-            page_size = allocator.page_size
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        if page_size % allocator.page_size:
-            raise ValueError(
-                f"page_size={page_size} is not a multiple of the allocator's "
-                f"page_size={allocator.page_size}"
-            )
-        make = new_policy or LRUPolicy
-        full_policy, swa_policy = make(), make()
-        for policy in (full_policy, swa_policy):
-            if not isinstance(policy, EvictionPolicy):
-                raise TypeError(
-                    f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy"
-                )
+        page_size = cache_page_size(page_size, allocator)
+        full_policy, swa_policy = new_policy_instance(new_policy), new_policy_instance(new_policy)
         if full_policy is swa_policy:
             raise ValueError("new_policy() must return a fresh policy on every call")
         self.allocator = allocator

@@ -36,6 +36,7 @@ from kvplug_hookspecs import (
 )
 
 from .config import ConfigError, load_config
+from .eviction import evict_from_tree_cache
 from .registry import (
     DuplicateComponentError,
     PluginError,
@@ -49,14 +50,6 @@ from .stack import KVCacheStack, build
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
-
-
-def __getattr__(name: str):
-    if name == "evict_from_tree_cache":
-        from .eviction import evict_from_tree_cache
-
-        return evict_from_tree_cache
-    raise AttributeError(f"module 'kvplug' has no attribute {name!r}")
 
 
 __all__ = [

@@ -19,6 +19,8 @@ from kvplug_hookspecs import (
     TokenAllocator,
 )
 
+from .eviction import evict_from_tree_cache
+
 if TYPE_CHECKING:
     from .registry import PluginRegistry
 
@@ -41,8 +43,6 @@ class KVCacheStack:
 
     def evict_for(self, num_tokens: int) -> EvictResult | None:
         """Evict exactly the shortfall for a request of ``num_tokens`` slots."""
-        from .eviction import evict_from_tree_cache
-
         return evict_from_tree_cache(self.prefix_cache, num_tokens)
 
 

@@ -78,3 +78,41 @@ def test_bare_token_sequences_and_tensors_are_keys_in_the_default_namespace(cach
     assert cache.match_prefix(CacheKey(tokens, extra_key="lora-1")).prefix_len == 0
     with pytest.raises(TypeError, match="a cache key is a CacheKey or a sequence of token ids"):
         cache.match_prefix("abc")
+
+
+@pytest.mark.parametrize("cache_name", ["radix", "block_hash", "swa_radix"])
+def test_observer_plugins_receive_cache_events_through_build(cache_name):
+    from kvplug import hookimpl
+    from kvplug.registry import PluginRegistry
+
+    events = []
+
+    class Recorder:
+        @hookimpl
+        def kvplug_prefix_stored(self, event):
+            events.append(("stored", event.num_tokens, len(event.block_hashes)))
+
+        @hookimpl
+        def kvplug_prefix_removed(self, event):
+            events.append(("removed", event.num_tokens))
+
+        @hookimpl
+        def kvplug_cache_cleared(self, event):
+            events.append(("cleared", event.num_tokens))
+
+    registry = PluginRegistry().load_plugins(autoload=False)
+    registry.register(Recorder(), name="recorder")
+    stack = kvplug.build(_config(cache_name, "lru"), registry=registry)
+    cache, allocator = stack.prefix_cache, stack.allocator
+    cache.insert(list(range(16)), allocator.alloc(16))
+    cache.insert(list(range(100, 132)), allocator.alloc(32))
+    assert stack.evict_for(32).num_tokens == 16  # 16 free, 32 needed: evict 16
+    cache.reset()
+    hashes = 4 if cache_name == "block_hash" else 0
+    assert events[:3] == [("stored", 16, hashes), ("stored", 32, 2 * hashes), ("removed", 16)]
+    assert events[-1] == ("cleared", 32)
+
+
+def test_no_observer_means_no_event_sink():
+    stack = kvplug.build(_config("radix", "lru"))
+    assert stack.prefix_cache.events is None

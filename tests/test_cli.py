@@ -142,3 +142,31 @@ def test_installed_console_script_runs(plugin_site):
     env["KVPLUG_STRICT_PLUGINS"] = "1"
     strict = subprocess.run([str(script), "plugins"], capture_output=True, text=True, env=env, timeout=120)
     assert strict.returncode == 3 and strict.stderr.startswith("error: plugin 'broken'")
+
+
+CLASHING_POLICY = """
+from kvplug_hookspecs import EvictionPolicyRegistration, KeyedEvictionPolicy, hookimpl
+
+class Mine(KeyedEvictionPolicy):
+    def key(self, c):
+        return c.last_access_time
+
+@hookimpl
+def kvplug_eviction_policies():
+    yield EvictionPolicyRegistration(name="mine", factory=Mine, aliases=("lru",))
+"""
+
+
+def test_a_name_clash_exits_3_naming_both_providers(run, tmp_path, monkeypatch):
+    from .conftest import write_distribution
+
+    write_distribution(tmp_path, "kvplug-clash", "1.0", {"clash": "kvplug_clash_mod"}, {"kvplug_clash_mod": CLASHING_POLICY})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = run("plugins")
+    assert result.exit_code == 3
+    assert result.stderr.strip() == (
+        "error: eviction policy 'lru' is provided by two plugins: 'kvplug.plugins.policies' "
+        "(kvplug 0.1.0) and 'clash' (kvplug-clash 1.0); uninstall one or block it with "
+        "KVPLUG_BLOCK_PLUGINS=clash"
+    )
+    assert run("plugins", env={"KVPLUG_BLOCK_PLUGINS": "clash"}).exit_code == 0

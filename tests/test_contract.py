@@ -159,3 +159,18 @@ def test_touch_is_ignored_for_absent_candidates_and_fixed_keys():
 def test_protocols_are_runtime_checkable():
     assert isinstance(_ByAccess(), hs.EvictionPolicy)
     assert not isinstance(object(), hs.TokenAllocator)
+
+
+def test_the_contract_and_the_example_plugin_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvplug_hookspecs, kvplug_example_policy; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "from importlib.metadata import requires; "
+        "print(sorted(r.split('>')[0].split('<')[0] for r in requires('kvplug-hookspecs')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['pluggy', 'pydantic']"

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import heapq
 import random
 import statistics
 import time
 from typing import Any
 
 import torch
+from baseline import RebuildHeapLRU, random_tokens  # benchmarks/ is on sys.path
 from kvplug_hookspecs import EvictParams, EvictResult
 
 from kvplug.allocators.standard import StandardAllocator
@@ -43,51 +43,6 @@ from kvplug.policies import LRUPolicy
 SYSTEM_PROMPTS, SYSTEM_TOKENS, SUFFIX_TOKENS = 8, 512, 64
 BLOCK = 16
 WINDOW = 128
-_VOCAB = range(1, 32000)
-
-
-class RebuildHeapLRU:
-    """SGLang 0.5.9's evictable-set handling: a set kept incrementally, a heap built per evict."""
-
-    def __init__(self) -> None:
-        self._items: set[Any] = set()
-        self._heap: list[tuple[int, int, Any]] | None = None
-
-    def add(self, c: Any) -> None:
-        self._items.add(c)
-        if self._heap is not None:  # became evictable during this eviction
-            heapq.heappush(self._heap, (c.last_access_time, c.node_id, c))
-
-    def discard(self, c: Any) -> None:
-        self._items.discard(c)
-
-    def touch(self, c: Any) -> None:
-        if self._heap is not None and c in self._items:
-            heapq.heappush(self._heap, (c.last_access_time, c.node_id, c))
-
-    def begin_evict(self) -> None:
-        self._heap = [(c.last_access_time, c.node_id, c) for c in self._items]
-        heapq.heapify(self._heap)
-
-    def end_evict(self) -> None:
-        self._heap = None
-
-    def pop(self) -> Any:
-        while self._heap:
-            c = heapq.heappop(self._heap)[2]
-            if c in self._items:
-                self._items.discard(c)
-                return c
-        return None
-
-    def clear(self) -> None:
-        self._items.clear()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, c: object) -> bool:
-        return c in self._items
 
 
 class RebuildBlockHash(BlockHashCache):
@@ -118,10 +73,6 @@ class RebuildSWARadix(SWARadixCache):
             self._swa_policy.end_evict()
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return rng.choices(_VOCAB, k=n)
-
-
 def build(cache_name: str, kind: str, num_leaves: int, rng: random.Random):
     """A cache filled to capacity with ``num_leaves`` 64-token suffixes under 8 system prompts."""
     capacity = num_leaves * SUFFIX_TOKENS + SYSTEM_PROMPTS * SYSTEM_TOKENS
@@ -141,11 +92,11 @@ def build(cache_name: str, kind: str, num_leaves: int, rng: random.Random):
         cache.filling = True
         for p in policies:
             p.begin_evict()
-    systems = [_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
+    systems = [random_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
     for system in systems:
         cache.insert(system, allocator.alloc(SYSTEM_TOKENS))
     for i in range(num_leaves):
-        key = systems[i % SYSTEM_PROMPTS] + _tokens(rng, SUFFIX_TOKENS)
+        key = systems[i % SYSTEM_PROMPTS] + random_tokens(rng, SUFFIX_TOKENS)
         m = cache.match_prefix(key)
         cache.inc_lock_ref(m.last_node)
         evict_from_tree_cache(cache, len(key) - m.prefix_len)  # swa: the window pool runs short
@@ -183,7 +134,7 @@ def serve(cache: Any, allocator: Any, key: list[int], times: dict[str, list[int]
 def run(cache_name: str, kind: str, num_leaves: int, requests: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
     cache, allocator = build(cache_name, kind, num_leaves, rng)
-    keys = [rng.choice(cache.systems) + _tokens(rng, SUFFIX_TOKENS) for _ in range(requests)]
+    keys = [rng.choice(cache.systems) + random_tokens(rng, SUFFIX_TOKENS) for _ in range(requests)]
     scratch: dict[str, list[int]] = {"match": [], "evict": [], "insert": []}
     for key in keys[: requests // 10]:
         serve(cache, allocator, key, scratch)

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import heapq
 import random
 import statistics
 import time
 from typing import Any
 
 import torch
-from kvplug_hookspecs import CacheKey, EvictParams, EvictResult
+from baseline import RebuildHeapLRU, random_tokens  # benchmarks/ is on sys.path
+from kvplug_hookspecs import EvictParams, EvictResult
 
 from kvplug.allocators.standard import StandardAllocator
 from kvplug.caches.radix import RadixCache
@@ -42,49 +42,6 @@ from kvplug.policies import LRUPolicy
 SYSTEM_PROMPTS = 8
 SYSTEM_TOKENS = 512
 SUFFIX_TOKENS = 64  # a request's unique part and each prefilled leaf's size: N stays ~constant
-
-
-class RebuildHeapLRU:
-    """SGLang 0.5.9's evictable-leaf handling: a set kept incrementally, a heap built per evict."""
-
-    def __init__(self) -> None:
-        self._leaves: set[Any] = set()
-        self._heap: list[tuple[int, int, Any]] | None = None
-
-    def add(self, c: Any) -> None:
-        self._leaves.add(c)
-        if self._heap is not None:  # a parent that became a leaf during this eviction
-            heapq.heappush(self._heap, (c.last_access_time, c.node_id, c))
-
-    def discard(self, c: Any) -> None:
-        self._leaves.discard(c)
-
-    def touch(self, c: Any) -> None:
-        pass
-
-    def begin_evict(self) -> None:
-        self._heap = [(c.last_access_time, c.node_id, c) for c in self._leaves]
-        heapq.heapify(self._heap)
-
-    def end_evict(self) -> None:
-        self._heap = None
-
-    def pop(self) -> Any:
-        while self._heap:
-            c = heapq.heappop(self._heap)[2]
-            if c in self._leaves:
-                self._leaves.discard(c)
-                return c
-        return None
-
-    def clear(self) -> None:
-        self._leaves.clear()
-
-    def __len__(self) -> int:
-        return len(self._leaves)
-
-    def __contains__(self, c: object) -> bool:
-        return c in self._leaves
 
 
 class RebuildHeapRadixCache(RadixCache):
@@ -98,11 +55,6 @@ class RebuildHeapRadixCache(RadixCache):
             self._policy.end_evict()
 
 
-_VOCAB = range(1, 32000)
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return rng.choices(_VOCAB, k=n)
 
 
 def build(kind: str, num_leaves: int, rng: random.Random) -> tuple[RadixCache, StandardAllocator]:
@@ -114,12 +66,12 @@ def build(kind: str, num_leaves: int, rng: random.Random) -> tuple[RadixCache, S
         cache = RadixCache(allocator, LRUPolicy)
     else:
         cache = RebuildHeapRadixCache(allocator, RebuildHeapLRU)
-    systems = [_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
+    systems = [random_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
     cache.insert(systems[0], allocator.alloc(SYSTEM_TOKENS))
     for i in range(1, SYSTEM_PROMPTS):
         cache.insert(systems[i], allocator.alloc(SYSTEM_TOKENS))
     for i in range(num_leaves):
-        key = systems[i % SYSTEM_PROMPTS] + _tokens(rng, SUFFIX_TOKENS)
+        key = systems[i % SYSTEM_PROMPTS] + random_tokens(rng, SUFFIX_TOKENS)
         m = cache.match_prefix(key)
         cache.insert(key, torch.cat([m.device_indices, allocator.alloc(len(key) - m.prefix_len)]))
     allocator.alloc(allocator.available_size())  # the rare suffix collisions left a few slots
@@ -150,7 +102,7 @@ def serve(
 
 
 def shared_prefix_keys(cache: Any, rng: random.Random, n: int) -> list[list[int]]:
-    return [rng.choice(cache.systems) + _tokens(rng, SUFFIX_TOKENS) for _ in range(n)]
+    return [rng.choice(cache.systems) + random_tokens(rng, SUFFIX_TOKENS) for _ in range(n)]
 
 
 def multiturn_keys(
@@ -158,14 +110,14 @@ def multiturn_keys(
 ) -> list[list[int]]:
     """Interleaved conversations: a turn = the previous turn + a 32-token answer + a 32-token
     message."""
-    histories = [rng.choice(cache.systems) + _tokens(rng, 32) for _ in range(conversations)]
+    histories = [rng.choice(cache.systems) + random_tokens(rng, 32) for _ in range(conversations)]
     keys = []
     for _ in range(n):
         c = rng.randrange(conversations)
         keys.append(histories[c])
-        histories[c] = histories[c] + _tokens(rng, 64)
+        histories[c] = histories[c] + random_tokens(rng, 64)
         if len(histories[c]) > SYSTEM_TOKENS + 1024:  # a new conversation
-            histories[c] = rng.choice(cache.systems) + _tokens(rng, 32)
+            histories[c] = rng.choice(cache.systems) + random_tokens(rng, 32)
     return keys
 
 

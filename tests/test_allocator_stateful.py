@@ -12,14 +12,19 @@ import copy
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvplug_hookspecs import EvictParams
 
 from kvplug.allocators import PagedAllocator, StandardAllocator, SWAAllocator
 
-STEPS = settings(max_examples=80, stateful_step_count=50, deadline=None)
+STEPS = settings(
+    max_examples=80,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],  # CI machines are slow and noisy
+)
 
 
 def tensor(values) -> torch.Tensor:

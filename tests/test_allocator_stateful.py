@@ -27,6 +27,19 @@ STEPS = settings(
 )
 
 
+def extend_requests(reqs, batch, slots, exts, new_slots) -> None:
+    """The model's side of an ``alloc_extend``: request ``batch[k]`` (or a new one when it is
+    negative) grows from ``slots[k]`` by its ``exts[k]`` consecutive slots of ``new_slots``."""
+    pos = 0
+    for i, s, e in zip(batch, slots, exts):
+        grown = s + list(new_slots[pos : pos + e])
+        pos += e
+        if i >= 0:
+            reqs[i] = grown
+        else:
+            reqs.append(grown)
+
+
 def tensor(values) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
@@ -194,14 +207,7 @@ class PagedMachine(RuleBasedStateMachine):
         for s, e in zip(slots, exts):
             expected += self.reference(pages, s, e)
         assert out.tolist() == expected
-        pos = 0
-        for i, s, e in zip(batch, slots, exts):
-            grown = s + expected[pos : pos + e]
-            pos += e
-            if i >= 0:
-                self.reqs[i] = grown
-            else:
-                self.reqs.append(grown)
+        extend_requests(self.reqs, batch, slots, exts, expected)
 
     @precondition(lambda self: any(self.reqs))
     @rule(data=st.data())
@@ -438,14 +444,7 @@ class PagedSWAMachine(RuleBasedStateMachine):
         assert before[0] - self.a.full_available_size() == need * self.PS
         out = out.tolist()
         self.learn_new(out)
-        pos = 0
-        for i, s, e in zip(batch, slots, exts):
-            grown = s + out[pos : pos + e]
-            pos += e
-            if i >= 0:
-                self.reqs[i] = grown
-            else:
-                self.reqs.append(grown)
+        extend_requests(self.reqs, batch, slots, exts, out)
 
     @precondition(lambda self: any(self.reqs))
     @rule(data=st.data())

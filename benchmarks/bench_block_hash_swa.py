@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from baseline import RebuildHeapLRU, random_tokens  # benchmarks/ is on sys.path
-from kvplug_hookspecs import EvictParams, EvictResult
 
 from kvplug.allocators.standard import StandardAllocator
 from kvplug.allocators.swa import SWAAllocator
@@ -39,6 +38,7 @@ from kvplug.caches.block_hash import BlockHashCache
 from kvplug.caches.swa_radix import SWARadixCache
 from kvplug.eviction import evict_from_tree_cache
 from kvplug.policies import LRUPolicy
+from kvplug_hookspecs import EvictParams, EvictResult
 
 SYSTEM_PROMPTS, SYSTEM_TOKENS, SUFFIX_TOKENS = 8, 512, 64
 BLOCK = 16

@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 from baseline import RebuildHeapLRU, random_tokens  # benchmarks/ is on sys.path
-from kvplug_hookspecs import EvictParams, EvictResult
 
 from kvplug.allocators.standard import StandardAllocator
 from kvplug.caches.radix import RadixCache
 from kvplug.eviction import evict_from_tree_cache
 from kvplug.policies import LRUPolicy
+from kvplug_hookspecs import EvictParams, EvictResult
 
 SYSTEM_PROMPTS = 8
 SYSTEM_TOKENS = 512
@@ -53,8 +53,6 @@ class RebuildHeapRadixCache(RadixCache):
             return super().evict(params)
         finally:
             self._policy.end_evict()
-
-
 
 
 def build(kind: str, num_leaves: int, rng: random.Random) -> tuple[RadixCache, StandardAllocator]:
@@ -176,8 +174,10 @@ def main() -> None:
         f"torch {torch.__version__}, LRU policy, {SUFFIX_TOKENS}-token leaves, page_size 1, cpu, "
         f"gc {'on' if args.gc else 'off'} while timing"
     )
-    header = f"{'workload':<10} {'impl':<9} {'N':>7} {'N end':>7} {'reqs':>5} {'match us':>9} " \
-             f"{'evict us':>9} {'insert us':>9} {'evict ns/tok':>12} {'evicted/req':>11} {'hit':>5}"
+    header = (
+        f"{'workload':<10} {'impl':<9} {'N':>7} {'N end':>7} {'reqs':>5} {'match us':>9} "
+        f"{'evict us':>9} {'insert us':>9} {'evict ns/tok':>12} {'evicted/req':>11} {'hit':>5}"
+    )
     print(header)
     print("-" * len(header))
     per_token: dict[tuple[str, str, int], float] = {}

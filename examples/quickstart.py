@@ -24,7 +24,13 @@ DEFAULT = {
     "allocator": "standard",
     "prefix_cache": "radix",
     "eviction_policy": "lru",
-    "pool": {"capacity_tokens": 4096, "num_layers": 2, "kv_heads": 2, "head_dim": 16, "device": "cpu"},
+    "pool": {
+        "capacity_tokens": 4096,
+        "num_layers": 2,
+        "kv_heads": 2,
+        "head_dim": 16,
+        "device": "cpu",
+    },
 }
 
 
@@ -61,13 +67,21 @@ def main() -> None:
     system_prompts = [[rng.randrange(32000) for _ in range(256)] for _ in range(3)]
     hits = evicted = 0
     for i in range(200):
-        prompt = system_prompts[i % 3] + [rng.randrange(32000) for _ in range(rng.randrange(64, 512))]
+        prompt = system_prompts[i % 3] + [
+            rng.randrange(32000) for _ in range(rng.randrange(64, 512))
+        ]
         cached, freed = serve(stack, prompt)
         hits += cached
         evicted += freed
     cache, allocator = stack.prefix_cache, stack.allocator
-    print(f"stack: {config.allocator.name} / {config.prefix_cache.name} / {config.eviction_policy.name}")
-    print(f"capacity {allocator.size} tokens, pool {stack.pool.mem_bytes() / 2**20:.1f} MiB on {allocator.device}")
+    print(
+        f"stack: {config.allocator.name} / {config.prefix_cache.name} / "
+        f"{config.eviction_policy.name}"
+    )
+    print(
+        f"capacity {allocator.size} tokens, pool {stack.pool.mem_bytes() / 2**20:.1f} MiB "
+        f"on {allocator.device}"
+    )
     print(f"200 requests: {hits} prompt tokens served from cache, {evicted} tokens evicted")
     free = getattr(allocator, "full_available_size", allocator.available_size)()
     cached = cache.evictable_size() + cache.protected_size()

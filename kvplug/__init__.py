@@ -35,16 +35,16 @@ from kvplug_hookspecs import (
     hookspec,
 )
 
-from .config import ConfigError, load_config
-from .eviction import evict_from_tree_cache
-from .registry import (
+from .config import load_config
+from .errors import (
+    ConfigError,
     DuplicateComponentError,
+    KvplugError,
     PluginError,
-    PluginRegistry,
     UnknownComponentError,
-    get_registry,
-    reset_registry,
 )
+from .eviction import evict_from_tree_cache
+from .registry import PluginRegistry, get_registry, reset_registry
 from .stack import KVCacheStack, build
 
 __version__ = "0.1.0"
@@ -67,6 +67,7 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheStack",
     "KeyedEvictionPolicy",
+    "KvplugError",
     "MatchResult",
     "NoOptions",
     "PluginError",

@@ -27,6 +27,8 @@ from typing import Any
 
 from kvplug_hookspecs import KVCacheConfig, PoolGeometry
 
+from .errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -35,10 +37,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 __all__ = ["ConfigError", "config_from_env", "load_config", "read_config_file"]
 
 _SELECTIONS = ("allocator", "prefix_cache", "eviction_policy")
-
-
-class ConfigError(ValueError):
-    """A config file or variable that cannot be read (CLI exit code 2)."""
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -55,9 +53,13 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         elif suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
         else:
-            raise ConfigError(f"config file {str(path)!r}: unsupported suffix {suffix!r}; use .toml or .json")
+            raise ConfigError(
+                f"config file {str(path)!r}: unsupported suffix {suffix!r}; use .toml or .json"
+            )
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid {suffix[1:].upper()}: {exc}") from exc
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid {suffix[1:].upper()}: {exc}"
+        ) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold an object at the top level")
     return data

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from kvplug_hookspecs import TORCH_DTYPES, PoolGeometry
 
 __all__ = ["HybridSWAKVPool", "MHAKVPool", "check_index_tensor", "resolve_device", "resolve_dtype"]

@@ -26,21 +26,21 @@ from importlib import import_module, metadata
 from typing import Any
 
 import pluggy
+from pydantic import BaseModel, ValidationError
+
 from kvplug_hookspecs import (
     PROJECT_NAME,
     AllocatorRegistration,
-    CacheCleared,
     ComponentRegistration,
     ComponentSelection,
     EvictionPolicyRegistration,
     KVCacheConfig,
     PrefixCacheRegistration,
-    PrefixRemoved,
-    PrefixStored,
     hookspecs,
 )
-from pydantic import BaseModel, ValidationError
 
+from .errors import DuplicateComponentError, PluginError, UnknownComponentError
+from .events import HookEvents
 from .plugins import BUILTIN_PLUGINS
 
 __all__ = [
@@ -65,39 +65,8 @@ ENTRY_POINT_GROUP = PROJECT_NAME
 
 
 # -------------------------------------------------------------------------------------------
-# Errors and records
+# Records
 # -------------------------------------------------------------------------------------------
-
-
-class PluginError(Exception):
-    """A plugin could not be loaded or conflicts with another (CLI exit code 3)."""
-
-
-class DuplicateComponentError(PluginError):
-    """Two plugins registered the same component name (or alias) of one kind."""
-
-
-class UnknownComponentError(LookupError):
-    """A config names a component no plugin provides; the message lists every valid name."""
-
-    def __init__(
-        self, kind: ComponentKind, name: str, valid: Collection[str], failed: Collection[str] = ()
-    ) -> None:
-        self.kind, self.name, self.valid = kind, name, sorted(valid)
-        close = difflib.get_close_matches(name, self.valid, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        broken = (
-            f" (plugins that failed to load: {', '.join(sorted(failed))}; see `kvplug plugins`)"
-            if failed
-            else ""
-        )
-        super().__init__(
-            f"unknown {kind.label} {name!r}.{hint} Valid {kind.label_plural}: "
-            f"{', '.join(self.valid) or '(none registered)'}{broken}"
-        )
-
-    def __str__(self) -> str:  # LookupError would repr() the message
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -112,9 +81,15 @@ class ComponentKind:
 
 
 COMPONENT_KINDS: tuple[ComponentKind, ...] = (
-    ComponentKind("allocator", "allocator", "allocators", "kvplug_allocators", AllocatorRegistration),
     ComponentKind(
-        "prefix_cache", "prefix cache", "prefix caches", "kvplug_prefix_caches", PrefixCacheRegistration
+        "allocator", "allocator", "allocators", "kvplug_allocators", AllocatorRegistration
+    ),
+    ComponentKind(
+        "prefix_cache",
+        "prefix cache",
+        "prefix caches",
+        "kvplug_prefix_caches",
+        PrefixCacheRegistration,
     ),
     ComponentKind(
         "eviction_policy",
@@ -312,7 +287,9 @@ class PluginRegistry(pluggy.PluginManager):
         if autoload is None:
             autoload = not env_flag("KVPLUG_DISABLE_PLUGIN_AUTOLOAD", env)
         if autoload:
-            self.load_entrypoints(allow=allow if allow is not None else _env_list("KVPLUG_PLUGINS", env))
+            self.load_entrypoints(
+                allow=allow if allow is not None else _env_list("KVPLUG_PLUGINS", env)
+            )
         self.collect()  # registration hooks run now, so failures surface at start-up
         return self
 
@@ -404,7 +381,9 @@ class PluginRegistry(pluggy.PluginManager):
         table = self.collect()[kind_field]
         key = name.strip().lower()
         if key not in table:
-            raise UnknownComponentError(kind, name, table, {f.name for f in self.failures})
+            raise UnknownComponentError(
+                kind.label, kind.label_plural, name, table, {f.name for f in self.failures}
+            )
         return table[key][1]
 
     def resolve(self, kind_field: str, selection: ComponentSelection) -> ResolvedComponent:
@@ -420,7 +399,10 @@ class PluginRegistry(pluggy.PluginManager):
         """Resolve all three selections of a config (errors before anything is built)."""
         return ResolvedConfig(
             config=config,
-            **{kind.field: self.resolve(kind.field, getattr(config, kind.field)) for kind in COMPONENT_KINDS},
+            **{
+                kind.field: self.resolve(kind.field, getattr(config, kind.field))
+                for kind in COMPONENT_KINDS
+            },
         )
 
     def plugin_infos(self) -> list[PluginInfo]:
@@ -434,18 +416,24 @@ class PluginRegistry(pluggy.PluginManager):
             provides = {
                 kind.field: tuple(
                     sorted(
-                        {reg.name for plugin, reg in collected[kind.field].values() if plugin == name}
+                        {
+                            reg.name
+                            for plugin, reg in collected[kind.field].values()
+                            if plugin == name
+                        }
                     )
                 )
                 for kind in COMPONENT_KINDS
             }
             dist, version = self._distributions.get(name, (None, None))
-            infos.append(PluginInfo(name, dist, version, name in self._builtin_names, provides, hooks))
+            infos.append(
+                PluginInfo(name, dist, version, name in self._builtin_names, provides, hooks)
+            )
         return infos
 
     # --- observers ---------------------------------------------------------------------------
 
-    def cache_events(self) -> _HookEvents | None:
+    def cache_events(self) -> HookEvents | None:
         """An event sink for caches, or ``None`` when no plugin implements an observer hook.
 
         Resolved once (at ``kvplug.build``): observers registered later do not see that cache.
@@ -456,39 +444,11 @@ class PluginRegistry(pluggy.PluginManager):
         }
         if not any(impls.values()):
             return None
-        return _HookEvents(
-            impls["kvplug_prefix_stored"], impls["kvplug_prefix_removed"], impls["kvplug_cache_cleared"]
+        return HookEvents(
+            impls["kvplug_prefix_stored"],
+            impls["kvplug_prefix_removed"],
+            impls["kvplug_cache_cleared"],
         )
-
-
-class _HookEvents:
-    """Forwards cache events to each observer hookimpl in turn.
-
-    Each observer is called on its own: one that raises is logged and skipped, so a broken
-    metrics plugin neither breaks the cache nor hides the event from the other observers.
-    """
-
-    __slots__ = ("_cleared", "_removed", "_stored")
-
-    def __init__(self, stored: list, removed: list, cleared: list) -> None:
-        self._stored, self._removed, self._cleared = stored, removed, cleared
-
-    @staticmethod
-    def _call(functions: list, event: BaseModel) -> None:
-        for function in functions:
-            try:
-                function(event=event)
-            except Exception:
-                log.exception("kvplug observer hook %s failed", getattr(function, "__qualname__", function))
-
-    def prefix_stored(self, event: PrefixStored) -> None:
-        self._call(self._stored, event)
-
-    def prefix_removed(self, event: PrefixRemoved) -> None:
-        self._call(self._removed, event)
-
-    def cache_cleared(self, event: CacheCleared) -> None:
-        self._call(self._cleared, event)
 
 
 def _has_spec(caller: object) -> bool:
@@ -505,7 +465,12 @@ def _distribution_version(name: str) -> str | None:
 def _prefixed(exc: ValidationError, prefix: tuple[str, ...], title: str) -> ValidationError:
     """Re-raise a plugin options error with locations under the config field it came from."""
     line_errors = [
-        {"type": err["type"], "loc": (*prefix, *err["loc"]), "input": err["input"], "ctx": err.get("ctx", {})}
+        {
+            "type": err["type"],
+            "loc": (*prefix, *err["loc"]),
+            "input": err["input"],
+            "ctx": err.get("ctx", {}),
+        }
         for err in exc.errors()
     ]
     try:

@@ -81,4 +81,6 @@ def build(
         events=registry.cache_events(),
     )
     cache = resolved.prefix_cache.registration.factory(context, resolved.prefix_cache.options)
-    return KVCacheStack(config=config, allocator=allocator, prefix_cache=cache, new_policy=new_policy)
+    return KVCacheStack(
+        config=config, allocator=allocator, prefix_cache=cache, new_policy=new_policy
+    )

@@ -10,13 +10,13 @@ import os
 from typing import Any
 
 import torch
-from kvplug_hookspecs import CacheCleared, PrefixRemoved, PrefixStored
 
 from kvplug.allocators.paged import PagedAllocator
 from kvplug.allocators.standard import StandardAllocator
 from kvplug.caches.chunk import ChunkCache
 from kvplug.caches.radix import RadixCache, RadixCacheOptions
 from kvplug.plugins.policies import kvplug_eviction_policies
+from kvplug_hookspecs import CacheCleared, PrefixRemoved, PrefixStored
 
 POLICIES = {registration.name: registration for registration in kvplug_eviction_policies()}
 """The built-in policy registrations by name."""
@@ -59,12 +59,21 @@ def make_radix(
     return cache, allocator
 
 
-def make_chunk(capacity: int = 64, page_size: int = 1, events: Any = None) -> tuple[ChunkCache, Any]:
+def make_chunk(
+    capacity: int = 64, page_size: int = 1, events: Any = None
+) -> tuple[ChunkCache, Any]:
     allocator = make_allocator(capacity, page_size)
     return ChunkCache(allocator, page_size=page_size, events=events), allocator
 
 
-def put(cache: Any, allocator: Any, tokens: list[int], *, extra_key: str | None = None, priority: int = 0) -> torch.Tensor:
+def put(
+    cache: Any,
+    allocator: Any,
+    tokens: list[int],
+    *,
+    extra_key: str | None = None,
+    priority: int = 0,
+) -> torch.Tensor:
     """Cache ``tokens`` (page-aligned) on fresh slots; returns the slots the cache now owns."""
     from kvplug_hookspecs import CacheKey
 

@@ -20,7 +20,9 @@ def _fresh_process_registry():
     reset_registry()
 
 
-def write_distribution(root: Path, dist: str, version: str, entry_points: dict[str, str], modules: dict[str, str]) -> Path:
+def write_distribution(
+    root: Path, dist: str, version: str, entry_points: dict[str, str], modules: dict[str, str]
+) -> Path:
     """Write an installed-looking distribution (dist-info + modules) under ``root``.
 
     ``importlib.metadata`` finds it once ``root`` is on ``sys.path``: the same path a pip-installed
@@ -71,8 +73,20 @@ def kvplug_eviction_policies():
 @pytest.fixture
 def plugin_site(tmp_path, monkeypatch):
     """A site directory with a working, a broken and an extra plugin distribution, on sys.path."""
-    write_distribution(tmp_path, "kvplug-broken", "0.0.1", {"broken": "kvplug_broken_mod"}, {"kvplug_broken_mod": BROKEN_IMPORT})
-    write_distribution(tmp_path, "kvplug-extra", "2.0", {"extra": "kvplug_extra_mod"}, {"kvplug_extra_mod": EXTRA_POLICY})
+    write_distribution(
+        tmp_path,
+        "kvplug-broken",
+        "0.0.1",
+        {"broken": "kvplug_broken_mod"},
+        {"kvplug_broken_mod": BROKEN_IMPORT},
+    )
+    write_distribution(
+        tmp_path,
+        "kvplug-extra",
+        "2.0",
+        {"extra": "kvplug_extra_mod"},
+        {"kvplug_extra_mod": EXTRA_POLICY},
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     yield tmp_path

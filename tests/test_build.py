@@ -15,7 +15,10 @@ CACHES = ["radix", "swa_radix", "block_hash", "chunk"]
 def _config(cache: str, policy: str) -> dict:
     pool = {"capacity_tokens": 64, "num_layers": 2, "kv_heads": 1, "head_dim": 4, "device": "cpu"}
     if cache == "swa_radix":
-        allocator = {"name": "swa", "options": {"swa_capacity_tokens": 64, "sliding_window_size": 4}}
+        allocator = {
+            "name": "swa",
+            "options": {"swa_capacity_tokens": 64, "sliding_window_size": 4},
+        }
     else:
         allocator, pool["page_size"] = "paged", 4
     return {"allocator": allocator, "prefix_cache": cache, "eviction_policy": policy, "pool": pool}
@@ -30,7 +33,12 @@ def test_build_insert_match_and_evict_exactly_the_shortfall(cache_name, policy):
     prompts = [list(range(100 * i, 100 * i + 16)) for i in range(3)]
     for tokens in prompts[:2]:
         slots = allocator.alloc(16)
-        stack.pool.set_kv(0, slots, torch.ones(16, 1, 4, dtype=stack.pool.dtype), torch.ones(16, 1, 4, dtype=stack.pool.dtype))
+        stack.pool.set_kv(
+            0,
+            slots,
+            torch.ones(16, 1, 4, dtype=stack.pool.dtype),
+            torch.ones(16, 1, 4, dtype=stack.pool.dtype),
+        )
         assert cache.insert(CacheKey(tokens), slots) == 0
     if cache.is_chunk_cache:
         assert cache.match_prefix(CacheKey(prompts[0])).prefix_len == 0

@@ -17,12 +17,18 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
 def test_defaults_without_any_source():
     config = load_config(None, environ={})
     assert config == KVCacheConfig()
-    assert (config.allocator.name, config.prefix_cache.name, config.eviction_policy.name) == ("standard", "radix", "lru")
+    assert (config.allocator.name, config.prefix_cache.name, config.eviction_policy.name) == (
+        "standard",
+        "radix",
+        "lru",
+    )
     assert config.pool.capacity_tokens == 65536 and config.pool.device == "auto"
 
 
 def test_from_dict_with_shorthand_names():
-    config = load_config({"eviction_policy": "LFU", "pool": {"capacity_tokens": 128, "page_size": 4}}, environ={})
+    config = load_config(
+        {"eviction_policy": "LFU", "pool": {"capacity_tokens": 128, "page_size": 4}}, environ={}
+    )
     assert config.eviction_policy.name == "lfu"
     assert (config.pool.capacity_tokens, config.pool.page_size) == (128, 4)
 
@@ -32,7 +38,11 @@ def test_bundled_example_configs_load():
     assert swa.allocator.name == "swa"
     assert swa.allocator.options == {"swa_capacity_tokens": 16384, "sliding_window_size": 4096}
     paged = load_config(EXAMPLES / "paged_block_hash.toml", environ={})
-    assert (paged.pool.page_size, paged.pool.dtype, paged.eviction_policy.options) == (16, "bfloat16", {"protected_hits": 2})
+    assert (paged.pool.page_size, paged.pool.dtype, paged.eviction_policy.options) == (
+        16,
+        "bfloat16",
+        {"protected_hits": 2},
+    )
     example = load_config(EXAMPLES / "example_policy.json", environ={})
     assert example.eviction_policy.name == "largest_first" and example.pool.device == "cpu"
 
@@ -88,7 +98,11 @@ def test_environment_variables():
     }
     config = load_config(None, environ=env)
     assert config.eviction_policy.options == {"protected_hits": 4}
-    assert (config.allocator.name, config.pool.page_size, config.pool.device) == ("paged", 16, "cpu")
+    assert (config.allocator.name, config.pool.page_size, config.pool.device) == (
+        "paged",
+        16,
+        "cpu",
+    )
 
 
 def test_environment_overrides_the_file_and_drops_options_of_a_replaced_component():
@@ -96,14 +110,18 @@ def test_environment_overrides_the_file_and_drops_options_of_a_replaced_componen
     config = load_config(EXAMPLES / "paged_block_hash.toml", environ=env)
     assert config.eviction_policy.name == "lru" and config.eviction_policy.options == {}
     assert config.pool.page_size == 1 and config.pool.dtype == "bfloat16"
-    same = load_config(EXAMPLES / "paged_block_hash.toml", environ={"KVPLUG_EVICTION_POLICY": "slru"})
+    same = load_config(
+        EXAMPLES / "paged_block_hash.toml", environ={"KVPLUG_EVICTION_POLICY": "slru"}
+    )
     assert same.eviction_policy.options == {"protected_hits": 2}
     no_env = load_config(EXAMPLES / "paged_block_hash.toml", environ=env, use_env=False)
     assert no_env.eviction_policy.name == "slru"
 
 
 def test_environment_errors():
-    with pytest.raises(ConfigError, match="unknown variable KVPLUG_POOL_CAPACITY; pool fields are: "):
+    with pytest.raises(
+        ConfigError, match="unknown variable KVPLUG_POOL_CAPACITY; pool fields are: "
+    ):
         config_from_env({"KVPLUG_POOL_CAPACITY": "1"})
     with pytest.raises(ConfigError, match="KVPLUG_ALLOCATOR_OPTIONS='3': expected a JSON object"):
         config_from_env({"KVPLUG_ALLOCATOR_OPTIONS": "3"})

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import kvplug_hookspecs as hs
 import pytest
+from pydantic import ValidationError
+
+import kvplug
+import kvplug_hookspecs as hs
 from kvplug_hookspecs import (
     ComponentSelection,
     EvictionPolicyRegistration,
@@ -13,9 +16,6 @@ from kvplug_hookspecs import (
     KVCacheConfig,
     PoolGeometry,
 )
-from pydantic import ValidationError
-
-import kvplug
 
 
 def test_kvplug_reexports_the_contract():
@@ -171,6 +171,22 @@ def test_the_contract_and_the_example_plugin_do_not_import_torch():
         "from importlib.metadata import requires; "
         "print(sorted(r.split('>')[0].split('<')[0] for r in requires('kvplug-hookspecs')))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['pluggy', 'pydantic']"
+
+
+def test_candidate_stats_is_public_and_defaults_features_to_unknown():
+    c = hs.CandidateStats(7, priority=2, num_tokens=16)
+    assert (c.last_access_time, c.creation_time, c.priority, c.num_tokens) == (7, 7, 2, 16)
+    assert (c.depth, c.namespace, c.content_id, c.partial_page, c.new_tokens, c.turn) == (
+        0,
+        None,
+        0,
+        False,
+        0,
+        -1,
+    )
+    assert hs.CandidateStats().node_id > c.node_id  # unique, increasing ids break ties

@@ -17,10 +17,14 @@ CONFIGS = sorted((ROOT / "examples" / "configs").iterdir())
 def test_quickstart_serves_requests_and_evicts_exactly_the_shortfall(config):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUG_")}
     env.update(KVPLUG_POOL_CAPACITY_TOKENS="8192", KVPLUG_POOL_DEVICE="cpu")
-    args = [sys.executable, str(ROOT / "examples" / "quickstart.py")] + ([str(config)] if config else [])
+    args = [sys.executable, str(ROOT / "examples" / "quickstart.py")] + (
+        [str(config)] if config else []
+    )
     result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
-    lines = dict(line.split(None, 1) for line in result.stdout.splitlines() if line.startswith("  "))
+    lines = dict(
+        line.split(None, 1) for line in result.stdout.splitlines() if line.startswith("  ")
+    )
     assert lines["match_queries"] == "200"
     assert lines["shortfall_requested_tokens"] == lines["shortfall_freed_tokens"]
     assert int(lines["evicted_tokens"]) > 0

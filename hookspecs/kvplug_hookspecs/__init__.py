@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import hookspecs
+from .candidates import CandidateStats
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .models import (
     TORCH_DTYPES,
@@ -45,6 +46,7 @@ __all__ = [
     "CacheCleared",
     "CacheEvents",
     "CacheKey",
+    "CandidateStats",
     "ComponentRegistration",
     "ComponentSelection",
     "EvictParams",

@@ -91,7 +91,8 @@ class PoolGeometry(FrozenModel):
     def _known_device(cls, value: str) -> str:
         if not _DEVICE_RE.match(value):
             raise ValueError(
-                f"unknown device {value!r}; expected 'auto', 'cpu', 'cuda', 'cuda:N', 'mps' or 'xpu'"
+                f"unknown device {value!r}; "
+                "expected 'auto', 'cpu', 'cuda', 'cuda:N', 'mps' or 'xpu'"
             )
         return value
 

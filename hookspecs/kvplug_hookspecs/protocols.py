@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .models import CacheCleared, EvictParams, EvictResult, PrefixRemoved, PrefixStored
+
+if (
+    TYPE_CHECKING
+):  # typed for plugin authors, torch-free at run time (pytest's hookspec.py does this)
+    import torch
 
 __all__ = [
     "CacheEvents",
@@ -36,12 +41,12 @@ class TokenAllocator(Protocol):
 
     size: int
     page_size: int
-    device: Any
+    device: torch.device
     pool: Any
 
     def available_size(self) -> int: ...
-    def alloc(self, need_size: int) -> Any | None: ...
-    def free(self, indices: Any) -> None: ...
+    def alloc(self, need_size: int) -> torch.Tensor | None: ...
+    def free(self, indices: torch.Tensor) -> None: ...
     def shortfall(self, num_tokens: int) -> EvictParams | None: ...
     def clear(self) -> None: ...
     def free_group_begin(self) -> None: ...
@@ -56,8 +61,8 @@ class SWATokenAllocator(TokenAllocator, Protocol):
 
     def full_available_size(self) -> int: ...
     def swa_available_size(self) -> int: ...
-    def free_swa(self, indices: Any) -> None: ...
-    def translate_loc_from_full_to_swa(self, indices: Any) -> Any: ...
+    def free_swa(self, indices: torch.Tensor) -> None: ...
+    def translate_loc_from_full_to_swa(self, indices: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +72,7 @@ class CacheKey:
     ``extra_key`` carries e.g. a LoRA id or a cache salt.
     """
 
-    token_ids: Sequence[int]
+    token_ids: Sequence[int] | torch.Tensor
     extra_key: str | None = None
 
 
@@ -79,7 +84,7 @@ class MatchResult:
     ``last_node`` is the handle to lock (``inc_lock_ref``) while a request uses the prefix.
     """
 
-    device_indices: Any
+    device_indices: torch.Tensor
     last_node: Any
     prefix_len: int
 
@@ -88,7 +93,8 @@ class EvictionCandidate(Protocol):
     """What a policy may read of a cached leaf or block to rank it.
 
     Times are logical clocks of the cache (monotonic ints), so runs are reproducible.
-    Candidates are hashed by identity.
+    Candidates are hashed by identity. :class:`~kvplug_hookspecs.CandidateStats` is the concrete
+    class (it documents each field); the features after ``num_tokens`` default to "unknown".
     """
 
     node_id: int
@@ -97,6 +103,12 @@ class EvictionCandidate(Protocol):
     hit_count: int
     priority: int
     num_tokens: int
+    depth: int
+    namespace: str | None
+    content_id: int
+    partial_page: bool
+    new_tokens: int
+    turn: int
 
 
 @runtime_checkable
@@ -105,13 +117,15 @@ class EvictionPolicy(Protocol):
 
     The cache calls ``add`` when a leaf/block becomes evictable, ``discard`` when it stops being
     evictable (locked, gained a child, freed), ``touch`` after updating its statistics on a hit,
-    and ``pop`` to take the next victim (``None`` when empty). Each call is O(log N) or better.
+    ``pop`` to take the next victim (``None`` when empty) and ``peek`` to see it without taking
+    it. Each call is O(log N) or better.
     """
 
     def add(self, candidate: EvictionCandidate) -> None: ...
     def discard(self, candidate: EvictionCandidate) -> None: ...
     def touch(self, candidate: EvictionCandidate) -> None: ...
     def pop(self) -> EvictionCandidate | None: ...
+    def peek(self) -> EvictionCandidate | None: ...
     def clear(self) -> None: ...
     def __len__(self) -> int: ...
     def __contains__(self, candidate: object) -> bool: ...
@@ -152,7 +166,9 @@ class PrefixCache(Protocol):
     is_chunk_cache: bool
 
     def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult: ...
-    def insert(self, key: CacheKey | Sequence[int], indices: Any, *, priority: int = 0) -> int: ...
+    def insert(
+        self, key: CacheKey | Sequence[int], indices: torch.Tensor, *, priority: int = 0
+    ) -> int: ...
     def evict(self, params: EvictParams) -> EvictResult: ...
     def inc_lock_ref(self, node: Any) -> Any: ...
     def dec_lock_ref(self, node: Any) -> Any: ...

@@ -17,8 +17,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from kvplug_hookspecs import EvictParams, FrozenModel
 from pydantic import Field
+
+from kvplug_hookspecs import EvictParams, FrozenModel
 
 from ..pools import check_index_tensor, resolve_device
 
@@ -129,8 +130,8 @@ class BaseAllocator:
     """Free groups, index checks and the shortfall contract of the built-in allocators.
 
     Subclasses set ``_low``/``_high`` (the valid slot range) and implement ``available_size``,
-    ``alloc``, ``clear`` and ``_release`` (free already-checked indices; raise before changing
-    anything).
+    ``alloc``, ``clear``, ``release`` (free already-checked indices; raise before changing
+    anything) and the ``alloc_mark`` / ``rollback_alloc`` pair (undo allocations exactly).
     """
 
     def __init__(
@@ -164,7 +165,16 @@ class BaseAllocator:
     def available_size(self) -> int:
         raise NotImplementedError
 
-    def _release(self, indices: torch.Tensor) -> None:
+    def release(self, indices: torch.Tensor) -> None:
+        """Free indices that already passed ``free``'s checks (a composite allocator's call)."""
+        raise NotImplementedError
+
+    def alloc_mark(self) -> int:
+        """A mark to pass to ``rollback_alloc``: allocations after it can be undone exactly."""
+        raise NotImplementedError
+
+    def rollback_alloc(self, mark: int) -> None:
+        """Undo the allocations made since ``alloc_mark()`` (nothing may be freed in between)."""
         raise NotImplementedError
 
     # -- freeing ------------------------------------------------------------------------------
@@ -176,7 +186,7 @@ class BaseAllocator:
         if self._free_group is not None:
             self._free_group.append(indices)
         else:
-            self._release(indices)
+            self.release(indices)
 
     def free_group_begin(self) -> None:
         """Start collecting frees; ``free_group_end`` releases them with one call."""
@@ -197,7 +207,7 @@ class BaseAllocator:
             indices = group[0] if len(group) == 1 else torch.cat(group)
             if not self.debug_checks:  # debug mode checked every call already
                 self._check_values(indices)
-            self._release(indices)
+            self.release(indices)
 
     @contextmanager
     def free_group(self) -> Iterator[None]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from kvplug_hookspecs import PoolGeometry
 
 from ..pools import MHAKVPool
@@ -179,7 +180,13 @@ class PagedAllocator(BaseAllocator):
         ps = self.page_size
         return ((last + 1) % ps != length % ps) | (last < self._low) | (last > self._high)
 
-    def _release(self, indices: torch.Tensor) -> None:
+    def alloc_mark(self) -> int:
+        return self._stack.top
+
+    def rollback_alloc(self, mark: int) -> None:
+        self._stack.rollback(mark)
+
+    def release(self, indices: torch.Tensor) -> None:
         self._stack.push(self.pages_of(indices))
 
     def pages_of(self, indices: torch.Tensor) -> torch.Tensor:

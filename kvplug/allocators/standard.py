@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from kvplug_hookspecs import PoolGeometry
 
 from ..pools import MHAKVPool
@@ -83,7 +84,13 @@ class StandardAllocator(BaseAllocator):
         seq, _ = self._batch(seq_lens=seq_lens, last_loc=last_loc)
         return self.alloc(seq.numel())
 
-    def _release(self, indices: torch.Tensor) -> None:
+    def alloc_mark(self) -> int:
+        return self._stack.top
+
+    def rollback_alloc(self, mark: int) -> None:
+        self._stack.rollback(mark)
+
+    def release(self, indices: torch.Tensor) -> None:
         self._stack.push(indices)
 
     def clear(self) -> None:

@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from kvplug_hookspecs import EvictParams, PoolGeometry
 from pydantic import Field, field_validator
+
+from kvplug_hookspecs import EvictParams, PoolGeometry
 
 from ..pools import HybridSWAKVPool
 from .base import AllocatorCheckOptions, BaseAllocator, check_size
@@ -212,18 +213,18 @@ class SWAAllocator(BaseAllocator):
 
     def _both(self, alloc, full_last: Any, swa_last: Any) -> torch.Tensor | None:
         """Allocate on the full side, then the window side; undo the first if the second fails."""
-        stack = self.full_allocator._stack
-        mark = stack.top  # allocations only pop: moving the top back undoes them exactly
+        full_side = self.full_allocator
+        mark = full_side.alloc_mark()  # allocations only pop: moving the top back undoes them
         full = alloc(self.full_allocator, full_last)
         if full is None:
             return None
         try:
             swa = alloc(self.swa_allocator, swa_last)
         except Exception:
-            stack.rollback(mark)
+            full_side.rollback_alloc(mark)
             raise
         if swa is None:
-            stack.rollback(mark)
+            full_side.rollback_alloc(mark)
             return None
         return self._map(full, swa)
 
@@ -251,12 +252,12 @@ class SWAAllocator(BaseAllocator):
         pages = self.full_allocator.pages_of(indices)
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
 
-    def _release(self, indices: torch.Tensor) -> None:
+    def release(self, indices: torch.Tensor) -> None:
         slots = self._page_slots(indices)
         swa = self.full_to_swa_index_mapping.index_select(0, slots)
         mapped = torch.masked_select(swa, swa > 0)
-        self.full_allocator._release(indices)  # raises (changing nothing) on a debug double free
-        self.swa_allocator._release(mapped)
+        self.full_allocator.release(indices)  # raises (changing nothing) on a debug double free
+        self.swa_allocator.release(mapped)
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
     def free_swa(self, indices: torch.Tensor) -> None:
@@ -266,7 +267,7 @@ class SWAAllocator(BaseAllocator):
             return
         slots = self._page_slots(indices)
         swa = self.full_to_swa_index_mapping.index_select(0, slots)
-        self.swa_allocator._release(torch.masked_select(swa, swa > 0))
+        self.swa_allocator.release(torch.masked_select(swa, swa > 0))
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
     def translate_loc_from_full_to_swa(self, indices: torch.Tensor) -> torch.Tensor:

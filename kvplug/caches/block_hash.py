@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
+
 from kvplug_hookspecs import (
     CacheCleared,
     CacheEvents,
@@ -39,11 +40,11 @@ from kvplug_hookspecs import (
     EvictResult,
     FrozenModel,
     MatchResult,
-    PrefixCacheContext,
     TokenAllocator,
 )
 
 from .common import (
+    BuiltFromContext,
     CacheStats,
     CandidateStats,
     as_cache_key,
@@ -81,11 +82,10 @@ class Block(CandidateStats):
     __slots__ = (
         "block_hash",
         "digest",
-        "parent",
         "indices",
-        "num_tokens",
-        "ref_count",
         "num_children",
+        "parent",
+        "ref_count",
     )
 
     def __init__(
@@ -114,7 +114,7 @@ class Block(CandidateStats):
         )
 
 
-class BlockHashCache:
+class BlockHashCache(BuiltFromContext):
     """Hash-chained block prefix cache with reference counts (the protocol's ``PrefixCache``).
 
     ``match_prefix`` returns the slots of the longest run of cached blocks and, as ``last_node``,
@@ -152,19 +152,6 @@ class BlockHashCache:
             self._hash = lambda data: hashlib.blake2b(data, digest_size=16)
         self._clock = 0
         self._init_state()
-
-    @classmethod
-    def from_context(
-        cls, ctx: PrefixCacheContext, options: BlockHashOptions | None = None
-    ) -> BlockHashCache:
-        """The registered factory: build over the context's allocator with one fresh policy."""
-        return cls(
-            ctx.allocator,
-            ctx.new_policy,
-            page_size=ctx.page_size,
-            events=ctx.events,
-            options=options,
-        )
 
     def _init_state(self) -> None:
         self.root = Block(0, 0, _EMPTY, None, None, 0)
@@ -280,9 +267,8 @@ class BlockHashCache:
             return cached_len
 
         new_slots = indices[cached_len:aligned_len].clone().view(-1, page)
-        if parent is not self.root:
-            if parent.num_children == 0 and parent.ref_count == 0:
-                policy.discard(parent)
+        if parent is not self.root and parent.num_children == 0 and parent.ref_count == 0:
+            policy.discard(parent)
         new_digests = [new_digest, *digests]
         for i, digest in enumerate(new_digests):
             block = Block(now, self._as_int(digest), digest, parent, new_slots[i], page, priority)

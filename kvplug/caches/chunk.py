@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
 from kvplug_hookspecs import (
     CacheCleared,
     CacheEvents,
@@ -23,11 +24,11 @@ from kvplug_hookspecs import (
     EvictResult,
     MatchResult,
     NoOptions,
-    PrefixCacheContext,
     TokenAllocator,
 )
 
 from .common import (
+    BuiltFromContext,
     CacheStats,
     as_cache_key,
     as_token_ids,
@@ -43,7 +44,7 @@ class ChunkCacheOptions(NoOptions):
     """The ``chunk`` cache takes no options."""
 
 
-class ChunkCache:
+class ChunkCache(BuiltFromContext):
     """A prefix cache that shares nothing; ``is_chunk_cache`` is True."""
 
     name = "chunk"
@@ -67,15 +68,6 @@ class ChunkCache:
         self.options = options
         self.stats = CacheStats()
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
-
-    @classmethod
-    def from_context(
-        cls, context: PrefixCacheContext, options: ChunkCacheOptions | None = None
-    ) -> ChunkCache:
-        """The registered factory (the policy factory is unused: nothing is ever evictable)."""
-        return cls(
-            context.allocator, page_size=context.page_size, events=context.events, options=options
-        )
 
     def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
         """Always the empty prefix."""

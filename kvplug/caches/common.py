@@ -6,25 +6,28 @@ behaviour must be identical across caches (what a key is, what a counter counts)
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import torch
+from pydantic import BaseModel
+
 from kvplug_hookspecs import (
     CacheEvents,
     CacheKey,
+    CandidateStats,
     EvictionPolicy,
+    PrefixCacheContext,
     PrefixRemoved,
     PrefixStored,
     TokenAllocator,
 )
-from pydantic import BaseModel
 
-from ..policies import LRUPolicy
+from ..policies.builtin import LRUPolicy
 
 __all__ = [
+    "BuiltFromContext",
     "CacheStats",
     "CandidateStats",
     "as_cache_key",
@@ -122,26 +125,6 @@ class CacheStats:
             setattr(self, name, 0)
 
 
-_node_ids = itertools.count(1)
-
-
-class CandidateStats:
-    """The statistics an eviction policy reads (``EvictionCandidate``); cache nodes subclass it.
-
-    ``node_id`` is unique per process and breaks ranking ties deterministically. Times come from
-    the owning cache's logical clock so that replays are reproducible.
-    """
-
-    __slots__ = ("node_id", "last_access_time", "creation_time", "hit_count", "priority", "__weakref__")
-
-    def __init__(self, now: int, priority: int = 0) -> None:
-        self.node_id = next(_node_ids)
-        self.last_access_time = now
-        self.creation_time = now
-        self.hit_count = 0
-        self.priority = priority
-
-
 def emit_stored(
     events: CacheEvents | None,
     cache: str,
@@ -152,7 +135,9 @@ def emit_stored(
     """Report stored tokens when someone observes (``events`` is ``None`` otherwise)."""
     if events is not None and num_tokens:
         events.prefix_stored(
-            PrefixStored(cache=cache, num_tokens=num_tokens, block_hashes=block_hashes, extra_key=extra_key)
+            PrefixStored(
+                cache=cache, num_tokens=num_tokens, block_hashes=block_hashes, extra_key=extra_key
+            )
         )
 
 
@@ -166,7 +151,9 @@ def emit_removed(
     """Report removed tokens when someone observes."""
     if events is not None and num_tokens:
         events.prefix_removed(
-            PrefixRemoved(cache=cache, num_tokens=num_tokens, block_hashes=block_hashes, reason=reason)
+            PrefixRemoved(
+                cache=cache, num_tokens=num_tokens, block_hashes=block_hashes, reason=reason
+            )
         )
 
 
@@ -209,3 +196,22 @@ def new_policy_instance(new_policy: Callable[[], EvictionPolicy] | None) -> Evic
     if not isinstance(policy, EvictionPolicy):
         raise TypeError(f"new_policy() returned {type(policy).__name__}, not an EvictionPolicy")
     return policy
+
+
+class BuiltFromContext:
+    """The registered factory every built-in cache shares: ``Cache.from_context(ctx, options)``.
+
+    A cache's constructor takes ``(allocator, new_policy, *, page_size, events, options)``; this
+    unpacks the :class:`PrefixCacheContext` the registry hands a prefix-cache factory.
+    """
+
+    @classmethod
+    def from_context(cls, context: PrefixCacheContext, options: Any = None) -> Any:
+        """Build over ``context.allocator`` with its policy factory, page size and events."""
+        return cls(  # type: ignore[call-arg]
+            context.allocator,
+            context.new_policy,
+            page_size=context.page_size,
+            events=context.events,
+            options=options,
+        )

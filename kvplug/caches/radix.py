@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
+
 from kvplug_hookspecs import (
     CacheCleared,
     CacheEvents,
@@ -46,11 +47,11 @@ from kvplug_hookspecs import (
     EvictResult,
     FrozenModel,
     MatchResult,
-    PrefixCacheContext,
     TokenAllocator,
 )
 
 from .common import (
+    BuiltFromContext,
     CacheStats,
     CandidateStats,
     as_cache_key,
@@ -62,6 +63,7 @@ from .common import (
     emit_stored,
     new_policy_instance,
 )
+from .radix_tree import child_key, common_len
 
 __all__ = ["RadixCache", "RadixCacheOptions", "RadixNode"]
 
@@ -83,7 +85,7 @@ class RadixNode(CandidateStats):
     prefix that ends here or below. A freed node has ``parent is None``.
     """
 
-    __slots__ = ("children", "parent", "edge", "key", "value", "num_tokens", "lock_ref")
+    __slots__ = ("children", "edge", "key", "lock_ref", "parent", "value")
 
     def __init__(self, now: int, priority: int = 0) -> None:
         super().__init__(now, priority)
@@ -102,7 +104,7 @@ class RadixNode(CandidateStats):
         )
 
 
-class RadixCache:
+class RadixCache(BuiltFromContext):
     """Radix-tree prefix cache over an allocator (and pool) it need not have created.
 
     **Ownership rule of** ``insert(key, indices)``: ``indices[i]`` is the slot holding token
@@ -144,19 +146,6 @@ class RadixCache:
         self._clock = 0
         self._new_tree()
 
-    @classmethod
-    def from_context(
-        cls, context: PrefixCacheContext, options: RadixCacheOptions | None = None
-    ) -> RadixCache:
-        """The registered factory: build over ``context.allocator`` with its policy and events."""
-        return cls(
-            context.allocator,
-            context.new_policy,
-            page_size=context.page_size,
-            events=context.events,
-            options=options,
-        )
-
     def _new_tree(self) -> None:
         self.root = RadixNode(self._clock, priority=0)
         self.root.value = self._empty
@@ -179,34 +168,6 @@ class RadixCache:
         return self._evictable + self._protected
 
     # -- lookup and insert ----------------------------------------------------------------------
-
-    def _edge(
-        self, parent: RadixNode, ids: tuple[int, ...], pos: int, extra_key: str | None
-    ) -> Any:
-        """Key of the child of ``parent`` that starts at ``ids[pos]``."""
-        first = ids[pos] if self.page_size == 1 else ids[pos : pos + self.page_size]
-        return (extra_key, first) if parent is self.root else first
-
-    def _common_len(
-        self, node_key: tuple[int, ...], ids: tuple[int, ...], pos: int, end: int
-    ) -> int:
-        """How many tokens of ``node_key`` equal ``ids[pos:end]``, in whole pages.
-
-        The first page is known to match (it is the child key). Slices compare in C; a
-        mismatch is located by bisection over pages, so no Python loop runs per token.
-        """
-        page = self.page_size
-        n = min(len(node_key), end - pos)
-        if ids[pos : pos + n] == node_key[:n]:
-            return n
-        lo, hi = 1, n // page  # lo pages are equal, hi pages are not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ids[pos : pos + mid * page] == node_key[: mid * page]:
-                lo = mid
-            else:
-                hi = mid
-        return lo * page
 
     def _split(self, child: RadixNode, length: int) -> RadixNode:
         """Cut ``child`` after ``length`` tokens; a new node takes the head and child's place."""
@@ -242,10 +203,12 @@ class RadixCache:
         policy = self._policy
         node, pos, values = self.root, 0, []
         while pos < end:
-            child = node.children.get(self._edge(node, ids, pos, extra_key))
+            child = node.children.get(
+                child_key(ids, pos, self.page_size, node is self.root, extra_key)
+            )
             if child is None:
                 break
-            length = self._common_len(child.key, ids, pos, end)
+            length = common_len(child.key, ids, pos, end, self.page_size)
             if length < child.num_tokens:
                 child = self._split(child, length)
             child.last_access_time = now
@@ -295,7 +258,10 @@ class RadixCache:
         node, pos, values = self._walk(ids, end, key.extra_key, hit=False, priority=priority)
         if pos < end:
             leaf = RadixNode(self._clock, priority)
-            leaf.parent, leaf.edge = node, self._edge(node, ids, pos, key.extra_key)
+            leaf.parent, leaf.edge = (
+                node,
+                child_key(ids, pos, self.page_size, node is self.root, key.extra_key),
+            )
             leaf.key, leaf.value = ids[pos:end], indices[pos:end].clone()
             leaf.num_tokens = end - pos
             node.children[leaf.edge] = leaf

@@ -46,6 +46,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from pydantic import Field
+
 from kvplug_hookspecs import (
     CacheCleared,
     CacheEvents,
@@ -55,12 +57,11 @@ from kvplug_hookspecs import (
     EvictResult,
     FrozenModel,
     MatchResult,
-    PrefixCacheContext,
     SWATokenAllocator,
 )
-from pydantic import Field
 
 from .common import (
+    BuiltFromContext,
     CacheStats,
     CandidateStats,
     as_cache_key,
@@ -72,6 +73,7 @@ from .common import (
     emit_stored,
     new_policy_instance,
 )
+from .radix_tree import child_key, common_len
 
 __all__ = ["SWARadixCache", "SWARadixNode", "SWARadixOptions"]
 
@@ -98,15 +100,14 @@ class SWARadixNode(CandidateStats):
 
     __slots__ = (
         "children",
-        "parent",
         "edge",
-        "key",
-        "value",
-        "num_tokens",
         "full_lock_ref",
+        "key",
+        "parent",
         "swa_lock_ref",
-        "swa_tombstone",
         "swa_lock_spans",
+        "swa_tombstone",
+        "value",
     )
 
     def __init__(self, now: int, priority: int = 0) -> None:
@@ -130,7 +131,7 @@ class SWARadixNode(CandidateStats):
         )
 
 
-class SWARadixCache:
+class SWARadixCache(BuiltFromContext):
     """Radix-tree prefix cache with window tombstones over an ``SWATokenAllocator``.
 
     Sizes: ``evictable_size()`` / ``protected_size()`` / ``total_size()`` count full-pool tokens,
@@ -181,19 +182,6 @@ class SWARadixCache:
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._clock = 0
         self._new_tree()
-
-    @classmethod
-    def from_context(
-        cls, context: PrefixCacheContext, options: SWARadixOptions | None = None
-    ) -> SWARadixCache:
-        """The registered factory: ``context.allocator`` and two policies of the configured kind."""
-        return cls(
-            context.allocator,  # type: ignore[arg-type]
-            context.new_policy,
-            page_size=context.page_size,
-            events=context.events,
-            options=options,
-        )
 
     def _new_tree(self) -> None:
         self.root = SWARadixNode(self._clock)
@@ -253,31 +241,6 @@ class SWARadixCache:
             swa.discard(node)
 
     # -- tree helpers ---------------------------------------------------------------------------
-
-    def _edge(
-        self, parent: SWARadixNode, ids: tuple[int, ...], pos: int, extra_key: str | None
-    ) -> Any:
-        """Key of the child of ``parent`` at ``ids[pos]``; root children carry the namespace."""
-        first = ids[pos] if self.page_size == 1 else ids[pos : pos + self.page_size]
-        return (extra_key, first) if parent is self.root else first
-
-    def _common_len(
-        self, node_key: tuple[int, ...], ids: tuple[int, ...], pos: int, end: int
-    ) -> int:
-        """Equal tokens of ``node_key`` and ``ids[pos:end]`` in whole pages (the first page is
-        known equal). Slices compare in C; a mismatch is found by bisection over pages."""
-        page = self.page_size
-        n = min(len(node_key), end - pos)
-        if ids[pos : pos + n] == node_key[:n]:
-            return n
-        lo, hi = 1, n // page
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ids[pos : pos + mid * page] == node_key[: mid * page]:
-                lo = mid
-            else:
-                hi = mid
-        return lo * page
 
     def _split(self, child: SWARadixNode, length: int) -> SWARadixNode:
         """Cut ``child`` after ``length`` tokens: a new node takes the head and child's place.
@@ -357,14 +320,16 @@ class SWARadixCache:
         since_tombstone = _INF
         best_len, best_count = 0, 0
         while pos < end:
-            child = node.children.get(self._edge(node, ids, pos, key.extra_key))
+            child = node.children.get(
+                child_key(ids, pos, self.page_size, node is self.root, key.extra_key)
+            )
             if child is None:
                 break
             if child.swa_tombstone:
                 if since_tombstone >= window:
                     best_len, best_count = pos, len(path)
                 since_tombstone = 0
-            length = self._common_len(child.key, ids, pos, end)
+            length = common_len(child.key, ids, pos, end, self.page_size)
             if length < child.num_tokens:
                 child = self._split(child, length)
             if not child.swa_tombstone:
@@ -431,10 +396,12 @@ class SWARadixCache:
         given_parts: list[torch.Tensor] = []
         cached_parts: list[torch.Tensor] = []
         while pos < end:
-            child = node.children.get(self._edge(node, ids, pos, key.extra_key))
+            child = node.children.get(
+                child_key(ids, pos, self.page_size, node is self.root, key.extra_key)
+            )
             if child is None:
                 break
-            length = self._common_len(child.key, ids, pos, end)
+            length = common_len(child.key, ids, pos, end, self.page_size)
             if length < child.num_tokens:
                 child = self._split(child, length)
             self._clock += 1
@@ -467,7 +434,7 @@ class SWARadixCache:
                         node,
                         ids[pos:live_from],
                         indices[pos:live_from].clone(),
-                        self._edge(node, ids, pos, key.extra_key),
+                        child_key(ids, pos, self.page_size, node is self.root, key.extra_key),
                         True,
                         priority,
                     )
@@ -475,7 +442,7 @@ class SWARadixCache:
                     node,
                     ids[live_from:end],
                     indices[live_from:end].clone(),
-                    self._edge(node, ids, live_from, key.extra_key),
+                    child_key(ids, live_from, self.page_size, node is self.root, key.extra_key),
                     False,
                     priority,
                 )

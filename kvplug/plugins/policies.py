@@ -36,7 +36,9 @@ def kvplug_eviction_policies() -> Iterator[EvictionPolicyRegistration]:
         name="mru", factory=MRUPolicy, description="most recently used first"
     )
     yield EvictionPolicyRegistration(
-        name="filo", factory=FILOPolicy, description="newest inserted first; hits do not re-rank",
+        name="filo",
+        factory=FILOPolicy,
+        description="newest inserted first; hits do not re-rank",
         aliases=("lifo",),
     )
     yield EvictionPolicyRegistration(

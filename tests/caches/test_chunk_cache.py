@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kvplug_hookspecs import CacheKey, EvictParams, EvictResult, PrefixCache, PrefixCacheContext
 
 from kvplug.caches.chunk import ChunkCache, ChunkCacheOptions
 from kvplug.policies import LRUPolicy
+from kvplug_hookspecs import CacheKey, EvictParams, EvictResult, PrefixCache, PrefixCacheContext
 from tests.cache_helpers import RecordingEvents, make_allocator, make_chunk
 
 
@@ -16,7 +16,9 @@ def test_chunk_cache_shares_nothing_and_frees_aligned_slots():
     assert isinstance(cache, PrefixCache) and cache.is_chunk_cache is True
     slots = allocator.alloc(8)
     assert cache.insert(CacheKey(list(range(6)), "ns"), slots[:6]) == 0
-    assert allocator.available_size() == 12  # the first page freed; the partial page is the caller's
+    assert (
+        allocator.available_size() == 12
+    )  # the first page freed; the partial page is the caller's
     m = cache.match_prefix(list(range(6)))
     assert (m.prefix_len, m.last_node, m.device_indices.tolist()) == (0, None, [])
     assert cache.inc_lock_ref(m.last_node) == 0 and cache.dec_lock_ref(m.last_node) == 0
@@ -24,8 +26,16 @@ def test_chunk_cache_shares_nothing_and_frees_aligned_slots():
     assert (cache.evictable_size(), cache.protected_size(), cache.total_size()) == (0, 0, 0)
     assert cache.all_values_flatten().numel() == 0
     cache.reset()
-    assert [e.num_tokens for e in events.cleared] == [0] and events.stored == [] and events.removed == []
-    assert (cache.stats.match_queries, cache.stats.match_query_tokens, cache.stats.hit_tokens) == (1, 6, 0)
+    assert (
+        [e.num_tokens for e in events.cleared] == [0]
+        and events.stored == []
+        and events.removed == []
+    )
+    assert (cache.stats.match_queries, cache.stats.match_query_tokens, cache.stats.hit_tokens) == (
+        1,
+        6,
+        0,
+    )
 
 
 def test_chunk_cache_rejects_bad_input_without_freeing():

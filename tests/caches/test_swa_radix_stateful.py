@@ -24,11 +24,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from kvplug_hookspecs import CacheKey, EvictParams
 
 from kvplug.allocators.swa import SWAAllocator
 from kvplug.caches.swa_radix import SWARadixCache
 from kvplug.eviction import evict_from_tree_cache
+from kvplug_hookspecs import CacheKey, EvictParams
 from tests.cache_helpers import POLICY_NAMES, new_policy_factory
 
 FULL, WINDOW_POOL = 64, 40
@@ -117,14 +117,14 @@ class SWARadixMachine(RuleBasedStateMachine):
         for i, slot in enumerate(own.tolist()[: len(ids) - m.prefix_len]):
             self.content[slot] = (key.extra_key, tuple(ids[: m.prefix_len + i + 1]))
         self.requests.append(
-            dict(
-                key=key,
-                handle=m.last_node,
-                matched=m.device_indices,
-                own=own,
-                slid=0,
-                priority=priority,
-            )
+            {
+                "key": key,
+                "handle": m.last_node,
+                "matched": m.device_indices,
+                "own": own,
+                "slid": 0,
+                "priority": priority,
+            }
         )
 
     @precondition(lambda self: self.requests)

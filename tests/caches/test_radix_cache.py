@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvplug_hookspecs import CacheKey, EvictParams, EvictResult, PrefixCache, PrefixCacheContext
 from pydantic import ValidationError
 
 from kvplug.caches.radix import RadixCache, RadixCacheOptions, RadixNode
 from kvplug.policies import LRUPolicy
+from kvplug_hookspecs import CacheKey, EvictParams, EvictResult, PrefixCache, PrefixCacheContext
 from tests.cache_helpers import RecordingEvents, cached_slots, make_allocator, make_radix, put
 
 
@@ -36,7 +36,10 @@ def test_insert_match_split_page_1():
     assert cache.insert([1, 2, 3, 7, 8], torch.cat([m.device_indices, new])) == 3
     assert _children(m.last_node) == [2, 3]
     assert (cache.total_size(), allocator.available_size()) == (8, 24)
-    assert cache.match_prefix([1, 2, 3, 7, 8, 9]).device_indices.tolist() == [*slots[:3].tolist(), *new.tolist()]
+    assert cache.match_prefix([1, 2, 3, 7, 8, 9]).device_indices.tolist() == [
+        *slots[:3].tolist(),
+        *new.tolist(),
+    ]
     assert cache.match_prefix([1, 2, 3, 4, 5, 6]).prefix_len == 6
     assert cache.match_prefix([2, 1]).prefix_len == 0
     empty = cache.match_prefix([])
@@ -87,7 +90,9 @@ def test_namespaces_never_share():
     plain = put(cache, allocator, [1, 2, 3])
     lora = put(cache, allocator, [1, 2, 3], extra_key="lora-a")
     assert cache.total_size() == 6 and allocator.available_size() == 26
-    assert cache.match_prefix(CacheKey([1, 2, 3], "lora-a")).device_indices.tolist() == lora.tolist()
+    assert (
+        cache.match_prefix(CacheKey([1, 2, 3], "lora-a")).device_indices.tolist() == lora.tolist()
+    )
     assert cache.match_prefix([1, 2, 3, 4]).device_indices.tolist() == plain.tolist()
     assert cache.match_prefix(CacheKey([1, 2], "lora-b")).prefix_len == 0
     # a split in one namespace leaves the other alone
@@ -132,7 +137,12 @@ def test_bad_inserts_change_nothing():
     cache, allocator = make_radix(capacity=16)
     put(cache, allocator, [1, 2, 3])
     slots = allocator.alloc(4)
-    state = (cache.total_size(), allocator.available_size(), _children(cache.root), cache.stats.as_dict())
+    state = (
+        cache.total_size(),
+        allocator.available_size(),
+        _children(cache.root),
+        cache.stats.as_dict(),
+    )
     with pytest.raises(ValueError, match="4 slots but the key has 3 tokens"):
         cache.insert([1, 2, 7], slots)
     with pytest.raises(TypeError, match="integer"):
@@ -147,9 +157,19 @@ def test_bad_inserts_change_nothing():
         cache.insert([1.0, 2, 7, 8], slots)
     with pytest.raises(TypeError, match="CacheKey"):
         cache.insert("abcd", slots)
-    assert (cache.total_size(), allocator.available_size(), _children(cache.root), cache.stats.as_dict()) == state
+    assert (
+        cache.total_size(),
+        allocator.available_size(),
+        _children(cache.root),
+        cache.stats.as_dict(),
+    ) == state
     # int32 slots and tensor keys are accepted
-    assert cache.insert(CacheKey(torch.tensor([1, 2, 7, 8], device=slots.device)), slots.to(torch.int32)) == 2
+    assert (
+        cache.insert(
+            CacheKey(torch.tensor([1, 2, 7, 8], device=slots.device)), slots.to(torch.int32)
+        )
+        == 2
+    )
     assert cache.total_size() == 5
 
 
@@ -166,7 +186,11 @@ def test_constructor_validation():
     assert RadixCache(allocator, page_size=8).page_size == 8
     ctx = PrefixCacheContext(allocator=allocator, new_policy=LRUPolicy, page_size=4)
     cache = RadixCache.from_context(ctx, RadixCacheOptions(granularity="leaf"))
-    assert (cache.page_size, cache.options.granularity, cache.device) == (4, "leaf", allocator.device)
+    assert (cache.page_size, cache.options.granularity, cache.device) == (
+        4,
+        "leaf",
+        allocator.device,
+    )
 
 
 # -- locks --------------------------------------------------------------------------------------
@@ -289,7 +313,10 @@ def test_events_and_stats():
     put(cache, allocator, [1, 2, 3, 4])
     put(cache, allocator, [1, 2, 5], extra_key="ns")
     put(cache, allocator, [1, 2, 3, 4])  # nothing new: no event, duplicates freed
-    assert [(e.cache, e.num_tokens, e.extra_key) for e in events.stored] == [("radix", 4, None), ("radix", 3, "ns")]
+    assert [(e.cache, e.num_tokens, e.extra_key) for e in events.stored] == [
+        ("radix", 4, None),
+        ("radix", 3, "ns"),
+    ]
     cache.match_prefix([1, 2, 3, 9])
     cache.match_prefix([7])
     cache.evict(EvictParams(num_tokens=5))
@@ -369,7 +396,11 @@ def test_documented_engine_sequence_conserves_slots(page_size, capacity, cached)
     from kvplug.eviction import evict_from_tree_cache
 
     cache, allocator = make_radix(capacity=capacity, page_size=page_size)
-    for tokens in ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 11], [1, 2, 3, 4, 20] * 3):
+    for tokens in (
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        [1, 2, 3, 4, 5, 6, 7, 8, 11],
+        [1, 2, 3, 4, 20] * 3,
+    ):
         key = CacheKey(tokens)
         m = cache.match_prefix(key)
         cache.inc_lock_ref(m.last_node)

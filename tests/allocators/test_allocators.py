@@ -8,13 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvplug_hookspecs import (
-    ComponentSelection,
-    EvictParams,
-    PoolGeometry,
-    SWATokenAllocator,
-    TokenAllocator,
-)
 from pydantic import ValidationError
 
 from kvplug.allocators import (
@@ -27,6 +20,13 @@ from kvplug.allocators import (
     default_swa_layer_ids,
 )
 from kvplug.pools import HybridSWAKVPool, MHAKVPool
+from kvplug_hookspecs import (
+    ComponentSelection,
+    EvictParams,
+    PoolGeometry,
+    SWATokenAllocator,
+    TokenAllocator,
+)
 
 CPU = torch.device("cpu")
 
@@ -608,7 +608,7 @@ def test_paged_extend_and_decode_match_a_token_by_token_reference(page_size, req
     assert a.available_size() == free_before - new_pages * page_size
 
     # then one decode step for every request
-    ends = [e for e in torch.cumsum(t(*(s - p for p, s in zip(prefix_lens, seq_lens))), 0).tolist()]
+    ends = list(torch.cumsum(t(*(s - p for p, s in zip(prefix_lens, seq_lens))), 0).tolist())
     last_loc = [
         int(out[e - 1]) if s > p else last
         for p, s, e, last in zip(prefix_lens, seq_lens, ends, last_loc)

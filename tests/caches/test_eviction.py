@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from kvplug_hookspecs import EvictResult
 
 from kvplug.eviction import evict_from_tree_cache
+from kvplug_hookspecs import EvictResult
 from tests.cache_helpers import cached_slots, make_chunk, make_radix, put
 
 
 def _filled(capacity: int, free: int, leaf: int, page_size: int = 1, granularity: str = "exact"):
-    """A radix cache whose allocator has ``free`` slots left, the rest cached in ``leaf``-token prompts."""
+    """A radix cache whose allocator has ``free`` slots left, the rest cached in ``leaf``-token
+    prompts."""
     cache, allocator = make_radix(capacity=capacity, page_size=page_size, granularity=granularity)
     first = 0
     while allocator.available_size() > free:
@@ -37,7 +38,7 @@ def test_exact_shortfall_cuts_a_leaf():
 
 
 def test_leaf_granularity_may_free_more():
-    cache, allocator = _filled(capacity=40, free=5, leaf=7, granularity="leaf")
+    cache, _allocator = _filled(capacity=40, free=5, leaf=7, granularity="leaf")
     assert evict_from_tree_cache(cache, 20) == EvictResult(num_tokens=21)
     assert (cache.stats.shortfall_requested_tokens, cache.stats.shortfall_freed_tokens) == (15, 21)
 
@@ -76,7 +77,7 @@ def test_no_cache_or_chunk_cache_returns_none():
 
 
 def test_bad_num_tokens():
-    cache, allocator = _filled(capacity=16, free=0, leaf=4)
+    cache, _allocator = _filled(capacity=16, free=0, leaf=4)
     with pytest.raises(ValueError, match=">= 0"):
         evict_from_tree_cache(cache, -1)
     with pytest.raises(TypeError, match="int"):

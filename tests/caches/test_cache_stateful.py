@@ -17,10 +17,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-from kvplug_hookspecs import CacheKey, EvictParams
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvplug.eviction import evict_from_tree_cache
+from kvplug_hookspecs import CacheKey, EvictParams
 from tests.cache_helpers import POLICY_NAMES, make_chunk, make_radix
 
 CAPACITY = 48
@@ -57,7 +63,9 @@ class Request:
 
 
 class CacheMachine(RuleBasedStateMachine):
-    def __init__(self, kind: str, page_size: int, policy: str = "lru", granularity: str = "exact") -> None:
+    def __init__(
+        self, kind: str, page_size: int, policy: str = "lru", granularity: str = "exact"
+    ) -> None:
         super().__init__()
         self.page = page_size
         self.exact = granularity == "exact"
@@ -66,7 +74,9 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             self.cache, self.allocator = make_chunk(CAPACITY, page_size)
         self.requests: list[Request] = []
-        self.loose: list[torch.Tensor] = []  # memory the engine holds outside requests (decode etc.)
+        self.loose: list[
+            torch.Tensor
+        ] = []  # memory the engine holds outside requests (decode etc.)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -94,7 +104,9 @@ class CacheMachine(RuleBasedStateMachine):
         self._checked_evict(n)
         slots = self.allocator.alloc(n)
         if slots is None and self.exact:
-            assert self.cache.evictable_size() == 0, "alloc failed although evictable tokens remained"
+            assert self.cache.evictable_size() == 0, (
+                "alloc failed although evictable tokens remained"
+            )
         return slots
 
     def _held(self) -> list[torch.Tensor]:
@@ -197,7 +209,10 @@ class CacheMachine(RuleBasedStateMachine):
         held_count = sum(t.numel() for t in held)
         cache = self.cache
         assert (
-            self.allocator.available_size() + cache.evictable_size() + cache.protected_size() + held_count
+            self.allocator.available_size()
+            + cache.evictable_size()
+            + cache.protected_size()
+            + held_count
             == CAPACITY
         )
         cached = cache.all_values_flatten().tolist()
@@ -242,7 +257,9 @@ def test_radix_cache_lifecycle(page_size, policy):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_radix_cache_leaf_granularity_lifecycle(page_size):
-    run_state_machine_as_test(lambda: CacheMachine("radix", page_size, "lru", "leaf"), settings=SETTINGS)
+    run_state_machine_as_test(
+        lambda: CacheMachine("radix", page_size, "lru", "leaf"), settings=SETTINGS
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

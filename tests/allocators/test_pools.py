@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvplug_hookspecs import PoolGeometry
 from pydantic import ValidationError
 
 from kvplug.pools import HybridSWAKVPool, MHAKVPool, resolve_device, resolve_dtype
+from kvplug_hookspecs import PoolGeometry
 
 CPU = torch.device("cpu")
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvplug_hookspecs import CacheKey, EvictParams, EvictResult, PrefixCache, PrefixCacheContext
 from pydantic import ValidationError
 
 from kvplug.allocators.swa import SWAAllocator
 from kvplug.caches.swa_radix import SWARadixCache, SWARadixNode, SWARadixOptions
 from kvplug.eviction import evict_from_tree_cache
 from kvplug.policies import LRUPolicy
+from kvplug_hookspecs import CacheKey, EvictParams, EvictResult, PrefixCache, PrefixCacheContext
 from tests.cache_helpers import (
     RecordingEvents,
     cached_slots,
@@ -318,6 +318,7 @@ def test_bad_input_is_rejected_without_state_change():
     cache, allocator = make_swa()
     put(cache, allocator, A)
     slots = allocator.alloc(8)
+
     def state():
         inserted = cache.stats.inserted_tokens
         return full_sizes(cache, allocator), swa_sizes(cache, allocator), inserted

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvplug_hookspecs import CacheKey, EvictParams, EvictResult, PrefixCache, PrefixCacheContext
 from pydantic import ValidationError
 
 from kvplug.caches.block_hash import Block, BlockHashCache, BlockHashOptions
 from kvplug.eviction import evict_from_tree_cache
 from kvplug.policies import LRUPolicy
+from kvplug_hookspecs import CacheKey, EvictParams, EvictResult, PrefixCache, PrefixCacheContext
 from tests.cache_helpers import (
     RecordingEvents,
     cached_slots,

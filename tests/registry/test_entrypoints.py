@@ -6,8 +6,7 @@ import pytest
 
 import kvplug
 from kvplug.registry import PluginError, PluginRegistry, UnknownComponentError, get_registry
-
-from .conftest import MISSPELT_HOOK, RAISING_HOOK, write_distribution
+from tests.conftest import MISSPELT_HOOK, RAISING_HOOK, write_distribution
 
 
 def _load(**env):
@@ -18,9 +17,16 @@ def test_example_plugin_is_discovered_with_its_distribution():
     registry = _load()
     assert registry.has_plugin("example_policy")
     info = {i.name: i for i in registry.plugin_infos()}["example_policy"]
-    assert (info.distribution, info.version, info.builtin) == ("kvplug-example-policy", "0.1.0", False)
+    assert (info.distribution, info.version, info.builtin) == (
+        "kvplug-example-policy",
+        "0.1.0",
+        False,
+    )
     assert info.provides["eviction_policy"] == ("largest_first",)
-    assert registry.get("eviction_policy", "largest_first").options_model.__name__ == "LargestFirstOptions"
+    assert (
+        registry.get("eviction_policy", "largest_first").options_model.__name__
+        == "LargestFirstOptions"
+    )
 
 
 def test_empty_allow_list_hides_every_entry_point_plugin(plugin_site):
@@ -58,16 +64,24 @@ def test_a_broken_plugin_is_reported_and_the_others_still_load(plugin_site):
     registry = _load()
     assert registry.has_plugin("example_policy") and registry.has_plugin("extra")
     (failure,) = registry.failures
-    assert (failure.name, failure.distribution, failure.version) == ("broken", "kvplug-broken", "0.0.1")
+    assert (failure.name, failure.distribution, failure.version) == (
+        "broken",
+        "kvplug-broken",
+        "0.0.1",
+    )
     assert failure.stage == "import of 'kvplug_broken_mod'"
     assert failure.error == "RuntimeError: this plugin is broken on purpose"
     assert "newest_first" in {r.name for r in registry.registrations("eviction_policy")}
-    with pytest.raises(UnknownComponentError, match=r"plugins that failed to load: broken; see `kvplug plugins`"):
+    with pytest.raises(
+        UnknownComponentError, match=r"plugins that failed to load: broken; see `kvplug plugins`"
+    ):
         registry.get("eviction_policy", "nope")
 
 
 def test_strict_mode_turns_a_broken_plugin_into_an_error(plugin_site, monkeypatch):
-    with pytest.raises(PluginError, match=r"plugin 'broken' \(distribution kvplug-broken 0.0.1\) failed at import"):
+    with pytest.raises(
+        PluginError, match=r"plugin 'broken' \(distribution kvplug-broken 0.0.1\) failed at import"
+    ):
         PluginRegistry(strict=True).load_plugins(environ={})
     monkeypatch.setenv("KVPLUG_STRICT_PLUGINS", "1")
     with pytest.raises(PluginError, match="plugin 'broken'"):
@@ -75,8 +89,20 @@ def test_strict_mode_turns_a_broken_plugin_into_an_error(plugin_site, monkeypatc
 
 
 def test_entry_point_whose_hook_raises_or_is_misspelt(tmp_path, monkeypatch):
-    write_distribution(tmp_path, "kvplug-raising", "1.0", {"raising": "kvplug_raising_mod"}, {"kvplug_raising_mod": RAISING_HOOK})
-    write_distribution(tmp_path, "kvplug-typo", "1.0", {"typo": "kvplug_typo_mod"}, {"kvplug_typo_mod": MISSPELT_HOOK})
+    write_distribution(
+        tmp_path,
+        "kvplug-raising",
+        "1.0",
+        {"raising": "kvplug_raising_mod"},
+        {"kvplug_raising_mod": RAISING_HOOK},
+    )
+    write_distribution(
+        tmp_path,
+        "kvplug-typo",
+        "1.0",
+        {"typo": "kvplug_typo_mod"},
+        {"kvplug_typo_mod": MISSPELT_HOOK},
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     registry = _load()
     failures = {f.name: f for f in registry.failures}
@@ -91,7 +117,13 @@ def test_example_policy_is_selectable_by_config_through_build():
     stack = kvplug.build(
         {
             "eviction_policy": {"name": "largest_first", "options": {"tie_break": "fifo"}},
-            "pool": {"capacity_tokens": 64, "num_layers": 1, "kv_heads": 1, "head_dim": 8, "device": "cpu"},
+            "pool": {
+                "capacity_tokens": 64,
+                "num_layers": 1,
+                "kv_heads": 1,
+                "head_dim": 8,
+                "device": "cpu",
+            },
         }
     )
     policy = stack.new_policy()
@@ -103,6 +135,8 @@ def test_unknown_policy_in_config_lists_the_valid_ones():
     with pytest.raises(UnknownComponentError) as info:
         kvplug.build({"eviction_policy": "lruu", "pool": {"capacity_tokens": 64, "device": "cpu"}})
     message = str(info.value)
-    assert message.startswith("unknown eviction policy 'lruu'. Did you mean 'lru'? Valid eviction policies: ")
+    assert message.startswith(
+        "unknown eviction policy 'lruu'. Did you mean 'lru'? Valid eviction policies: "
+    )
     for name in ("fifo", "filo", "largest_first", "lfu", "lru", "mru", "priority", "slru"):
         assert name in message

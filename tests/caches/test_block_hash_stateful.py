@@ -22,10 +22,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from kvplug_hookspecs import CacheKey, EvictParams
 
 from kvplug.caches.block_hash import BlockHashCache
 from kvplug.eviction import evict_from_tree_cache
+from kvplug_hookspecs import CacheKey, EvictParams
 from tests.cache_helpers import POLICY_NAMES, make_allocator, new_policy_factory
 
 CAPACITY = 64
@@ -97,7 +97,13 @@ class BlockHashMachine(RuleBasedStateMachine):
         for i, slot in enumerate(own.tolist()[: len(ids) - m.prefix_len]):
             self.content[slot] = (key.extra_key, tuple(ids[: m.prefix_len + i + 1]))
         self.requests.append(
-            dict(key=key, handle=m.last_node, matched=m.device_indices, own=own, priority=priority)
+            {
+                "key": key,
+                "handle": m.last_node,
+                "matched": m.device_indices,
+                "own": own,
+                "priority": priority,
+            }
         )
 
     @precondition(lambda self: self.requests)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from kvplug_hookspecs import EvictionCandidate, FrozenModel, KeyedEvictionPolicy
 from pydantic import Field
+
+from kvplug_hookspecs import EvictionCandidate, FrozenModel, KeyedEvictionPolicy
 
 __all__ = [
     "FIFOPolicy",

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from kvplug.cli import app
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
 
 @pytest.fixture
@@ -33,7 +33,11 @@ def test_plugins_json_lists_builtins_and_the_example(run):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     plugins = {p["name"]: p for p in data["plugins"]}
-    assert plugins["kvplug.plugins.allocators"]["provides"]["allocator"] == ["paged", "standard", "swa"]
+    assert plugins["kvplug.plugins.allocators"]["provides"]["allocator"] == [
+        "paged",
+        "standard",
+        "swa",
+    ]
     assert plugins["kvplug.plugins.allocators"]["builtin"] is True
     assert plugins["example_policy"]["distribution"] == "kvplug-example-policy"
     assert plugins["example_policy"]["provides"]["eviction_policy"] == ["largest_first"]
@@ -71,10 +75,17 @@ def test_broken_plugin_is_listed_as_failed_and_strict_mode_fails(run, plugin_sit
         }
     ]
     table = run("plugins")
-    assert table.exit_code == 0 and "failed plugins" in table.stdout and "kvplug-broken 0.0.1" in table.stdout
+    assert (
+        table.exit_code == 0
+        and "failed plugins" in table.stdout
+        and "kvplug-broken 0.0.1" in table.stdout
+    )
     strict = run("plugins", "--strict")
     assert strict.exit_code == 3
-    assert "error: plugin 'broken' (distribution kvplug-broken 0.0.1) failed at import" in strict.stderr
+    assert (
+        "error: plugin 'broken' (distribution kvplug-broken 0.0.1) failed at import"
+        in strict.stderr
+    )
     assert "Traceback" not in strict.stderr
     assert run("plugins", env={"KVPLUG_STRICT_PLUGINS": "1"}).exit_code == 3
     debug = run("plugins", "--strict", "--debug")
@@ -103,21 +114,30 @@ def test_unknown_policy_exits_2_with_the_valid_names(run, tmp_path):
     result = run("config", "validate", str(path))
     assert result.exit_code == 2
     line = result.stderr.strip()
-    assert line.startswith("error: unknown eviction policy 'lruu'. Did you mean 'lru'? Valid eviction policies:")
+    assert line.startswith(
+        "error: unknown eviction policy 'lruu'. Did you mean 'lru'? Valid eviction policies:"
+    )
     assert "largest_first" in line and "slru" in line and "\n" not in line
 
 
 def test_bad_options_and_bad_files_exit_2(run, tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('[eviction_policy]\nname = "largest_first"\noptions = { tie_break = "random" }\n')
+    path.write_text(
+        '[eviction_policy]\nname = "largest_first"\noptions = { tie_break = "random" }\n'
+    )
     result = run("config", "validate", str(path))
     assert result.exit_code == 2
-    assert "invalid config: eviction_policy.options.tie_break: Input should be 'lru' or 'fifo'" in result.stderr
+    assert (
+        "invalid config: eviction_policy.options.tie_break: Input should be 'lru' or 'fifo'"
+        in result.stderr
+    )
     assert run("config", "show", str(tmp_path / "nope.toml")).exit_code == 2
     bad = tmp_path / "bad.json"
     bad.write_text('{"pool": {"page_size": 0}}')
     result = run("config", "validate", str(bad))
-    assert result.exit_code == 2 and "pool.page_size: Input should be greater than 0" in result.stderr
+    assert (
+        result.exit_code == 2 and "pool.page_size: Input should be greater than 0" in result.stderr
+    )
 
 
 def test_config_schema_is_the_models_json_schema(run):
@@ -134,13 +154,17 @@ def test_installed_console_script_runs(plugin_site):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUG_")}
     env["PYTHONPATH"] = str(plugin_site)
     script = Path(sys.executable).with_name("kvplug")
-    result = subprocess.run([str(script), "plugins", "--json"], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [str(script), "plugins", "--json"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert [f["name"] for f in data["failed"]] == ["broken"]
     assert {"example_policy", "extra"} <= {p["name"] for p in data["plugins"]}
     env["KVPLUG_STRICT_PLUGINS"] = "1"
-    strict = subprocess.run([str(script), "plugins"], capture_output=True, text=True, env=env, timeout=120)
+    strict = subprocess.run(
+        [str(script), "plugins"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert strict.returncode == 3 and strict.stderr.startswith("error: plugin 'broken'")
 
 
@@ -158,9 +182,15 @@ def kvplug_eviction_policies():
 
 
 def test_a_name_clash_exits_3_naming_both_providers(run, tmp_path, monkeypatch):
-    from .conftest import write_distribution
+    from tests.conftest import write_distribution
 
-    write_distribution(tmp_path, "kvplug-clash", "1.0", {"clash": "kvplug_clash_mod"}, {"kvplug_clash_mod": CLASHING_POLICY})
+    write_distribution(
+        tmp_path,
+        "kvplug-clash",
+        "1.0",
+        {"clash": "kvplug_clash_mod"},
+        {"kvplug_clash_mod": CLASHING_POLICY},
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     result = run("plugins")
     assert result.exit_code == 3

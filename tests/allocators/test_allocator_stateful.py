@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvplug_hookspecs import EvictParams
 
 from kvplug.allocators import PagedAllocator, StandardAllocator, SWAAllocator
+from kvplug_hookspecs import EvictParams
 
 STEPS = settings(
     max_examples=80,

@@ -5,14 +5,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-from kvplug_hookspecs import (
-    ComponentSelection,
-    EvictionPolicyRegistration,
-    FrozenModel,
-    KeyedEvictionPolicy,
-    KVCacheConfig,
-    PrefixStored,
-)
 from pydantic import ValidationError
 
 from kvplug import hookimpl
@@ -22,6 +14,14 @@ from kvplug.registry import (
     PluginRegistry,
     UnknownComponentError,
     env_flag,
+)
+from kvplug_hookspecs import (
+    ComponentSelection,
+    EvictionPolicyRegistration,
+    FrozenModel,
+    KeyedEvictionPolicy,
+    KVCacheConfig,
+    PrefixStored,
 )
 
 
@@ -40,7 +40,11 @@ def _policy_plugin(*names, aliases=()):
         def kvplug_eviction_policies(self):
             return [
                 EvictionPolicyRegistration(
-                    name=n, factory=_Policy, options_model=_Options, description=f"{n} policy", aliases=aliases
+                    name=n,
+                    factory=_Policy,
+                    options_model=_Options,
+                    description=f"{n} policy",
+                    aliases=aliases,
                 )
                 for n in names
             ]
@@ -69,7 +73,8 @@ def test_unknown_name_lists_every_valid_name_and_suggests_one(registry):
     with pytest.raises(UnknownComponentError) as info:
         registry.get("eviction_policy", "lruu")
     assert str(info.value) == (
-        "unknown eviction policy 'lruu'. Did you mean 'lru'? Valid eviction policies: fifo, lfu, lru"
+        "unknown eviction policy 'lruu'. Did you mean 'lru'? "
+        "Valid eviction policies: fifo, lfu, lru"
     )
     with pytest.raises(UnknownComponentError, match=r"Valid allocators: \(none registered\)"):
         registry.get("allocator", "standard")
@@ -80,7 +85,9 @@ def test_duplicate_names_name_both_providers(registry):
     registry.register(_policy_plugin("other", aliases=("lru",)), name="second")
     with pytest.raises(DuplicateComponentError) as info:
         registry.collect()
-    assert "eviction policy 'lru' is provided by two plugins: 'first' and 'second'" in str(info.value)
+    assert "eviction policy 'lru' is provided by two plugins: 'first' and 'second'" in str(
+        info.value
+    )
     assert "KVPLUG_BLOCK_PLUGINS=second" in str(info.value)
 
 
@@ -100,7 +107,10 @@ def test_a_raising_hookimpl_is_reported_and_the_others_still_register(registry, 
         "hook kvplug_eviction_policies()",
         "RuntimeError: boom",
     )
-    assert "plugin 'exploding' failed at hook kvplug_eviction_policies(): RuntimeError: boom" in caplog.text
+    assert (
+        "plugin 'exploding' failed at hook kvplug_eviction_policies(): RuntimeError: boom"
+        in caplog.text
+    )
 
 
 def test_strict_mode_raises_for_a_raising_hookimpl():
@@ -112,7 +122,9 @@ def test_strict_mode_raises_for_a_raising_hookimpl():
             raise RuntimeError("boom")
 
     registry.register(Exploding(), name="exploding")
-    with pytest.raises(PluginError, match="plugin 'exploding' failed at hook kvplug_eviction_policies"):
+    with pytest.raises(
+        PluginError, match="plugin 'exploding' failed at hook kvplug_eviction_policies"
+    ):
         registry.collect()
 
 
@@ -159,10 +171,14 @@ def test_misspelt_hookimpl_raises_in_strict_mode():
 
 def test_resolve_validates_options_with_the_plugins_model(registry):
     registry.register(_policy_plugin("weighted"), name="p")
-    resolved = registry.resolve("eviction_policy", ComponentSelection(name="weighted", options={"weight": 3}))
+    resolved = registry.resolve(
+        "eviction_policy", ComponentSelection(name="weighted", options={"weight": 3})
+    )
     assert resolved.options == _Options(weight=3)
     with pytest.raises(ValidationError) as info:
-        registry.resolve("eviction_policy", ComponentSelection(name="weighted", options={"wieght": 3}))
+        registry.resolve(
+            "eviction_policy", ComponentSelection(name="weighted", options={"wieght": 3})
+        )
     (error,) = info.value.errors()
     assert error["loc"] == ("eviction_policy", "options", "wieght")
     assert error["type"] == "extra_forbidden"
@@ -197,7 +213,12 @@ def test_builtins_provide_the_default_components():
     registry = PluginRegistry().load_plugins(autoload=False)
     assert registry.failures == []
     assert {r.name for r in registry.registrations("allocator")} == {"standard", "paged", "swa"}
-    assert {r.name for r in registry.registrations("prefix_cache")} == {"radix", "swa_radix", "block_hash", "chunk"}
+    assert {r.name for r in registry.registrations("prefix_cache")} == {
+        "radix",
+        "swa_radix",
+        "block_hash",
+        "chunk",
+    }
     assert {"lru", "lfu", "fifo", "mru", "filo", "priority", "slru"} <= {
         r.name for r in registry.registrations("eviction_policy")
     }
@@ -233,7 +254,16 @@ def test_observer_sink_is_none_without_observers_and_forwards_with_them(registry
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("false", False), ("", False), ("off", False)],
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("", False),
+        ("off", False),
+    ],
 )
 def test_env_flag_is_a_real_boolean(raw, expected):
     assert env_flag("X", {"X": raw}) is expected

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from kvplug_hookspecs import EvictionPolicy, EvictParams, NoOptions
 from pydantic import ValidationError
 
 from kvplug.caches.common import CandidateStats
 from kvplug.policies import LRUPolicy, SLRUOptions, SLRUPolicy
+from kvplug_hookspecs import EvictionPolicy, EvictParams, NoOptions
 from tests.cache_helpers import POLICIES, POLICY_NAMES, cached_slots, make_radix, put
 
 
@@ -60,7 +60,10 @@ def _scenario(policy: str, **options):
     cache, allocator = make_radix(capacity=16, policy=policy, **options)
     keys = {"A": [10, 11], "B": [20, 21], "C": [30, 31], "D": [40, 41]}
     priorities = {"A": 1, "B": 0, "C": 2, "D": 0}
-    slots = {name: set(put(cache, allocator, key, priority=priorities[name]).tolist()) for name, key in keys.items()}
+    slots = {
+        name: set(put(cache, allocator, key, priority=priorities[name]).tolist())
+        for name, key in keys.items()
+    }
     for name in "BABD":
         assert cache.match_prefix(keys[name]).prefix_len == 2
     order = []

@@ -1,0 +1,42 @@
+"""What the two radix trees (``radix`` and ``swa_radix``) share: how a child is keyed and how
+far an edge matches a key.
+
+A child of a node is keyed by its first token (``page_size == 1``) or its first page (a tuple of
+``page_size`` tokens); children of the root also carry the namespace (``extra_key``), so two
+namespaces never share a node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["child_key", "common_len"]
+
+
+def child_key(
+    ids: tuple[int, ...], pos: int, page_size: int, at_root: bool, extra_key: str | None
+) -> Any:
+    """Key, in its parent's ``children``, of the child that starts at ``ids[pos]``."""
+    first = ids[pos] if page_size == 1 else ids[pos : pos + page_size]
+    return (extra_key, first) if at_root else first
+
+
+def common_len(
+    node_key: tuple[int, ...], ids: tuple[int, ...], pos: int, end: int, page_size: int
+) -> int:
+    """How many tokens of ``node_key`` equal ``ids[pos:end]``, in whole pages.
+
+    The first page is known to match (it is the child key). Slices compare in C; a mismatch is
+    located by bisection over pages, so no Python loop runs per token.
+    """
+    n = min(len(node_key), end - pos)
+    if ids[pos : pos + n] == node_key[:n]:
+        return n
+    lo, hi = 1, n // page_size  # lo pages are equal, hi pages are not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ids[pos : pos + mid * page_size] == node_key[: mid * page_size]:
+            lo = mid
+        else:
+            hi = mid
+    return lo * page_size

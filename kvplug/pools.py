@@ -11,6 +11,7 @@ Memory is allocated once, at construction; nothing here allocates per step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -66,7 +67,8 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(
             f"unsupported KV dtype {name!r}; expected one of {', '.join(TORCH_DTYPES)}"
         )
-    return getattr(torch, name)
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def _check_count(value: int, what: str, minimum: int) -> int:
@@ -238,7 +240,7 @@ class HybridSWAKVPool:
         self.full_layer_ids = full_ids
         self.swa_layer_ids = swa_ids
         self.num_layers = len(all_ids)
-        kw = {
+        kw: dict[str, Any] = {
             "kv_heads": kv_heads,
             "head_dim": head_dim,
             "page_size": page_size,

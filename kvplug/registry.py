@@ -350,7 +350,7 @@ class PluginRegistry(pluggy.PluginManager):
     ) -> list[ComponentRegistration]:
         dist = self._distributions.get(impl.plugin_name, (None, None))
         try:
-            result = impl.function()
+            result: Any = impl.function()
             registrations = list(result) if result is not None else []
             for item in registrations:
                 if not isinstance(item, kind.registration):

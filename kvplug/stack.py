@@ -72,7 +72,8 @@ def build(
     policy_options = resolved.eviction_policy.options
 
     def new_policy() -> EvictionPolicy:
-        return policy_registration.factory(policy_options)
+        policy: EvictionPolicy = policy_registration.factory(policy_options)
+        return policy
 
     context = PrefixCacheContext(
         allocator=allocator,

@@ -116,6 +116,7 @@ class FreeIdStack:
             self.is_free.index_fill_(0, ids, True)
 
     def _check_not_free(self, ids: torch.Tensor) -> None:
+        assert self.is_free is not None
         already = self.is_free.index_select(0, ids)
         if bool(already.any()):
             raise ValueError(f"{self.unit} {int(ids[already][0])} is already free (double free)")

@@ -13,6 +13,7 @@ in the ``paged`` allocator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,8 +109,14 @@ class SWAAllocator(BaseAllocator):
             raise ValueError(
                 f"sliding_window_size must be a positive int, got {sliding_window_size!r}"
             )
-        checks = {"device": self.device, "debug_checks": debug_checks, "check_bounds": check_bounds}
+        checks: dict[str, Any] = {
+            "device": self.device,
+            "debug_checks": debug_checks,
+            "check_bounds": check_bounds,
+        }
         full_pool, swa_pool = getattr(pool, "full", None), getattr(pool, "swa", None)
+        self.full_allocator: StandardAllocator | PagedAllocator
+        self.swa_allocator: StandardAllocator | PagedAllocator
         if page_size == 1:
             self.full_allocator = StandardAllocator(size, pool=full_pool, **checks)
             self.swa_allocator = StandardAllocator(size_swa, pool=swa_pool, **checks)
@@ -184,7 +191,9 @@ class SWAAllocator(BaseAllocator):
             raise ValueError(f"need_size={n} is not a multiple of page_size={self.page_size}")
         if n > self.full_available_size() or n > self.swa_available_size():
             return None
-        return self._map(self.full_allocator.alloc(n), self.swa_allocator.alloc(n))
+        full, swa = self.full_allocator.alloc(n), self.swa_allocator.alloc(n)
+        assert full is not None and swa is not None  # both sides had room
+        return self._map(full, swa)
 
     def alloc_extend(
         self,
@@ -211,7 +220,9 @@ class SWAAllocator(BaseAllocator):
         swa_last = self._window_last_loc(last_loc)
         return self._both(lambda a, last: a.alloc_decode(seq_lens, last), last_loc, swa_last)
 
-    def _both(self, alloc, full_last: Any, swa_last: Any) -> torch.Tensor | None:
+    def _both(
+        self, alloc: Callable[[Any, Any], torch.Tensor | None], full_last: Any, swa_last: Any
+    ) -> torch.Tensor | None:
         """Allocate on the full side, then the window side; undo the first if the second fails."""
         full_side = self.full_allocator
         mark = full_side.alloc_mark()  # allocations only pop: moving the top back undoes them
@@ -249,7 +260,8 @@ class SWAAllocator(BaseAllocator):
         """Every slot of the pages ``indices`` touch: freeing works on whole pages."""
         if self.page_size == 1:
             return indices
-        pages = self.full_allocator.pages_of(indices)
+        assert isinstance(self.full_allocator, PagedAllocator)  # page_size > 1
+        pages: torch.Tensor = self.full_allocator.pages_of(indices)
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
 
     def release(self, indices: torch.Tensor) -> None:

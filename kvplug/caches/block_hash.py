@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -146,6 +146,7 @@ class BlockHashCache(BuiltFromContext):
         self.device = torch.device(allocator.device)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.stats = CacheStats()
+        self._hash: Callable[[bytes], Any]
         if self.options.hash_algorithm == "sha256":
             self._hash = hashlib.sha256
         else:
@@ -166,7 +167,9 @@ class BlockHashCache(BuiltFromContext):
         tag = b"kvplug-none" if extra_key is None else b"kvplug-ns:" + extra_key.encode()
         return self._hash(tag).digest()
 
-    def _block_digests(self, ids: tuple[int, ...], extra_key: str | None, num_blocks: int):
+    def _block_digests(
+        self, ids: tuple[int, ...], extra_key: str | None, num_blocks: int
+    ) -> Iterator[bytes]:
         """Yield the chain digest of each of the first ``num_blocks`` blocks (lazily).
 
         Token ids are packed as int64 in C (``array``), then each block hashes its parent's

@@ -85,7 +85,7 @@ def plugins_command(
     for kind in COMPONENT_KINDS:
         for item in components[kind.field]:
             comp_table.add_row(
-                kind.label, item["name"], ", ".join(item["aliases"]), item["description"]
+                kind.label, str(item["name"]), ", ".join(item["aliases"]), str(item["description"])
             )
     out.print(comp_table)
 

@@ -64,13 +64,13 @@ class RebuildSWARadix(SWARadixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         if self.filling:
             return super().evict(params)
-        self._full_policy.begin_evict()
-        self._swa_policy.begin_evict()
+        self.full_policy.begin_evict()
+        self.swa_policy.begin_evict()
         try:
             return super().evict(params)
         finally:
-            self._full_policy.end_evict()
-            self._swa_policy.end_evict()
+            self.full_policy.end_evict()
+            self.swa_policy.end_evict()
 
 
 def build(cache_name: str, kind: str, num_leaves: int, rng: random.Random):
@@ -87,7 +87,7 @@ def build(cache_name: str, kind: str, num_leaves: int, rng: random.Random):
     if cache_name == "block_hash":
         policies = [cache.policy]
     else:
-        policies = [cache._full_policy, cache._swa_policy]
+        policies = [cache.full_policy, cache.swa_policy]
     if kind != "kvplug":  # filling must not cost O(N) per eviction: one heap kept throughout
         cache.filling = True
         for p in policies:
@@ -142,7 +142,7 @@ def run(cache_name: str, kind: str, num_leaves: int, requests: int, seed: int = 
     times: dict[str, list[int]] = {"match": [], "evict": [], "insert": []}
     evicted = [serve(cache, allocator, key, times) for key in keys[requests // 10 :]]
     per_token = [t / e for t, e in zip(times["evict"], evicted) if e]
-    policy = cache.policy if cache_name == "block_hash" else cache._full_policy
+    policy = cache.policy if cache_name == "block_hash" else cache.full_policy
     return {
         "candidates": len(policy),
         "match_us": statistics.median(times["match"]) / 1e3,

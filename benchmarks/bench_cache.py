@@ -48,11 +48,11 @@ class RebuildHeapRadixCache(RadixCache):
     """The same radix tree, evicting through a heap rebuilt from all evictable leaves per call."""
 
     def evict(self, params: EvictParams) -> EvictResult:
-        self._policy.begin_evict()
+        self.policy.begin_evict()
         try:
             return super().evict(params)
         finally:
-            self._policy.end_evict()
+            self.policy.end_evict()
 
 
 def build(kind: str, num_leaves: int, rng: random.Random) -> tuple[RadixCache, StandardAllocator]:
@@ -146,7 +146,7 @@ def run(
     finally:
         gc.enable()
     per_token = [t / e for t, e in zip(times["evict"], evicted) if e]
-    leaves = len(cache._policy)  # evictable leaves at the end (nothing is locked between requests)
+    leaves = len(cache.policy)  # evictable leaves at the end (nothing is locked between requests)
     return {
         "leaves": leaves,
         "match_us": statistics.median(times["match"]) / 1e3,

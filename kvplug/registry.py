@@ -23,7 +23,7 @@ import os
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import import_module, metadata
-from typing import Any
+from typing import Any, Literal, overload
 
 import pluggy
 from pydantic import BaseModel, ValidationError
@@ -375,8 +375,22 @@ class PluginRegistry(pluggy.PluginManager):
         """The plugin name that provides component ``name`` of a kind."""
         return self.collect()[kind_field][name][0]
 
+    @overload
+    def get(self, kind_field: Literal["allocator"], name: str) -> AllocatorRegistration: ...
+    @overload
+    def get(self, kind_field: Literal["prefix_cache"], name: str) -> PrefixCacheRegistration: ...
+    @overload
+    def get(
+        self, kind_field: Literal["eviction_policy"], name: str
+    ) -> EvictionPolicyRegistration: ...
+    @overload
+    def get(self, kind_field: str, name: str) -> ComponentRegistration: ...
     def get(self, kind_field: str, name: str) -> ComponentRegistration:
-        """The registration called ``name`` (or aliased so); unknown names list the valid ones."""
+        """The registration called ``name`` (or aliased so); unknown names list the valid ones.
+
+        Typed per kind (conda's ``get_hook_results`` does the same): ``get("allocator", ...)``
+        is an :class:`AllocatorRegistration`, so a checker follows ``.factory(...)``.
+        """
         kind = _KIND_BY_FIELD[kind_field]
         table = self.collect()[kind_field]
         key = name.strip().lower()

@@ -74,7 +74,7 @@ class SWAAllocatorOptions(AllocatorCheckOptions):
 class SWAAllocator(BaseAllocator):
     """A full-attention allocator and a window allocator with a full->window index map.
 
-    ``size`` is the full pool's capacity, ``size_swa`` the window pool's. Every allocation
+    ``size`` is the full pool's capacity, ``swa_size`` the window pool's. Every allocation
     (``alloc``, ``alloc_extend``, ``alloc_decode``) takes slots in both pools or in neither;
     ``available_size()`` is the smaller of the two free counts. ``free`` returns both sides (the
     window side where still mapped); ``free_swa`` only the window side, always immediately, even
@@ -84,7 +84,7 @@ class SWAAllocator(BaseAllocator):
     def __init__(
         self,
         size: int,
-        size_swa: int,
+        swa_size: int,
         sliding_window_size: int,
         *,
         page_size: int = 1,
@@ -119,11 +119,11 @@ class SWAAllocator(BaseAllocator):
         self.swa_allocator: StandardAllocator | PagedAllocator
         if page_size == 1:
             self.full_allocator = StandardAllocator(size, pool=full_pool, **checks)
-            self.swa_allocator = StandardAllocator(size_swa, pool=swa_pool, **checks)
+            self.swa_allocator = StandardAllocator(swa_size, pool=swa_pool, **checks)
         else:
             self.full_allocator = PagedAllocator(size, page_size, pool=full_pool, **checks)
-            self.swa_allocator = PagedAllocator(size_swa, page_size, pool=swa_pool, **checks)
-        self.size_swa = size_swa
+            self.swa_allocator = PagedAllocator(swa_size, page_size, pool=swa_pool, **checks)
+        self.swa_size = swa_size
         self.sliding_window_size = sliding_window_size
         self.full_to_swa_index_mapping = torch.zeros(
             size + page_size, dtype=torch.int64, device=self.device
@@ -309,7 +309,7 @@ class SWAAllocator(BaseAllocator):
 
     def __repr__(self) -> str:
         return (
-            f"SWAAllocator(size={self.size}, size_swa={self.size_swa}, page_size={self.page_size}, "
+            f"SWAAllocator(size={self.size}, swa_size={self.swa_size}, page_size={self.page_size}, "
             f"sliding_window_size={self.sliding_window_size}, "
             f"full_available={self.full_available_size()}, "
             f"swa_available={self.swa_available_size()}, device={self.device})"

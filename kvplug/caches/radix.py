@@ -140,7 +140,7 @@ class RadixCache(BuiltFromContext):
         self.events = events
         self.options = options
         self.stats = CacheStats()
-        self._policy = policy
+        self.policy = policy
         self._exact = options.granularity == "exact"
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._clock = 0
@@ -183,9 +183,9 @@ class RadixCache(BuiltFromContext):
         child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
         child.parent = head
         head.children[child.edge] = child
-        if child in self._policy:  # its size changed: let size-aware policies re-rank it
-            self._policy.discard(child)
-            self._policy.add(child)
+        if child in self.policy:  # its size changed: let size-aware policies re-rank it
+            self.policy.discard(child)
+            self.policy.add(child)
         return head
 
     def _walk(
@@ -200,7 +200,7 @@ class RadixCache(BuiltFromContext):
         """Descend along ``ids[:end]``, stamping every matched node; split where the match ends
         inside a node. Returns the last matched node, the matched length and the slot tensors."""
         now = self._clock
-        policy = self._policy
+        policy = self.policy
         node, pos, values = self.root, 0, []
         while pos < end:
             child = node.children.get(
@@ -265,8 +265,8 @@ class RadixCache(BuiltFromContext):
             leaf.key, leaf.value = ids[pos:end], indices[pos:end].clone()
             leaf.num_tokens = end - pos
             node.children[leaf.edge] = leaf
-            self._policy.discard(node)  # no longer a leaf
-            self._policy.add(leaf)
+            self.policy.discard(node)  # no longer a leaf
+            self.policy.add(leaf)
             self._evictable += leaf.num_tokens
             self.stats.inserted_tokens += leaf.num_tokens
             emit_stored(self.events, self.name, leaf.num_tokens, extra_key=key.extra_key)
@@ -295,7 +295,7 @@ class RadixCache(BuiltFromContext):
         Returns the change of ``evictable_size()`` (zero or negative), as SGLang does.
         """
         self._check_handle(node)
-        root, policy, moved = self.root, self._policy, 0
+        root, policy, moved = self.root, self.policy, 0
         while node is not root:
             if node.lock_ref == 0:
                 moved += node.num_tokens
@@ -311,7 +311,7 @@ class RadixCache(BuiltFromContext):
         self._check_handle(node)
         if node is not self.root and node.lock_ref == 0:
             raise ValueError(f"{node!r} is not locked: dec_lock_ref without inc_lock_ref")
-        root, policy, moved = self.root, self._policy, 0
+        root, policy, moved = self.root, self.policy, 0
         while node is not root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
@@ -336,7 +336,7 @@ class RadixCache(BuiltFromContext):
         need = params.num_tokens
         if need == 0:
             return EvictResult()
-        page, policy, root = self.page_size, self._policy, self.root
+        page, policy, root = self.page_size, self.policy, self.root
         freed, victims = 0, []
         while freed < need:
             leaf = policy.pop()
@@ -389,7 +389,7 @@ class RadixCache(BuiltFromContext):
         dropped = self.total_size()
         if dropped:
             self.allocator.free(self.all_values_flatten())
-        self._policy.clear()
+        self.policy.clear()
         self._new_tree()
         if self.events is not None:
             self.events.cache_cleared(CacheCleared(cache=self.name, num_tokens=dropped))
@@ -397,5 +397,5 @@ class RadixCache(BuiltFromContext):
     def __repr__(self) -> str:
         return (
             f"RadixCache(page_size={self.page_size}, evictable={self._evictable}, "
-            f"protected={self._protected}, policy={type(self._policy).__name__})"
+            f"protected={self._protected}, policy={type(self.policy).__name__})"
         )

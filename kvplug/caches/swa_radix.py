@@ -138,7 +138,7 @@ class SWARadixCache(BuiltFromContext):
     ``swa_evictable_size()`` / ``swa_protected_size()`` / ``swa_total_size()`` window-pool tokens.
     With ``R`` tokens held by running requests in each pool,
     ``full_available + evictable + protected + R == size`` and
-    ``swa_available + swa_evictable + swa_protected + R_window == size_swa``.
+    ``swa_available + swa_evictable + swa_protected + R_window == swa_size``.
     """
 
     name = "swa_radix"
@@ -177,8 +177,8 @@ class SWARadixCache(BuiltFromContext):
         self.events = events
         self.options = options
         self.stats = CacheStats()
-        self._full_policy = full_policy
-        self._swa_policy = swa_policy
+        self.full_policy = full_policy
+        self.swa_policy = swa_policy
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._clock = 0
         self._new_tree()
@@ -224,7 +224,7 @@ class SWARadixCache(BuiltFromContext):
         if node is self.root:
             return
         free_leaf = not node.children and node.full_lock_ref == 0
-        full, swa = self._full_policy, self._swa_policy
+        full, swa = self.full_policy, self.swa_policy
         if free_leaf and node.swa_tombstone:
             self._dead[node] = None
         else:
@@ -262,7 +262,7 @@ class SWARadixCache(BuiltFromContext):
         child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
         child.parent = head
         head.children[child.edge] = child
-        for policy in (self._full_policy, self._swa_policy):
+        for policy in (self.full_policy, self.swa_policy):
             if child in policy:  # its size changed: let size-aware policies re-rank it
                 policy.discard(child)
                 policy.add(child)
@@ -339,7 +339,7 @@ class SWARadixCache(BuiltFromContext):
         if since_tombstone >= window:
             best_len, best_count = pos, len(path)
 
-        full, swa = self._full_policy, self._swa_policy
+        full, swa = self.full_policy, self.swa_policy
         for node in path[:best_count]:
             self._clock += 1
             node.last_access_time = self._clock
@@ -391,7 +391,7 @@ class SWARadixCache(BuiltFromContext):
             )
         self._clock += 1
         end = len(ids) - len(ids) % self.page_size
-        full, swa = self._full_policy, self._swa_policy
+        full, swa = self.full_policy, self.swa_policy
         node, pos = self.root, 0
         given_parts: list[torch.Tensor] = []
         cached_parts: list[torch.Tensor] = []
@@ -537,7 +537,7 @@ class SWARadixCache(BuiltFromContext):
             node = next(iter(self._dead))
             del self._dead[node]
             return node
-        return self._full_policy.pop()
+        return self.full_policy.pop()
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free ``params.num_tokens`` full and ``params.swa_num_tokens`` window tokens (see the
@@ -570,7 +570,7 @@ class SWARadixCache(BuiltFromContext):
                 parent = leaf.parent
                 del parent.children[leaf.edge]
                 leaf.parent = None
-                self._swa_policy.discard(leaf)
+                self.swa_policy.discard(leaf)
                 self._refresh(parent)
             full_freed += freed
             self._full_evictable -= freed
@@ -579,7 +579,7 @@ class SWARadixCache(BuiltFromContext):
                 self._swa_evictable -= freed
 
         while swa_freed < swa_need:
-            node = self._swa_policy.pop()
+            node = self.swa_policy.pop()
             if node is None:
                 break
             cut = -(-(swa_need - swa_freed) // page) * page
@@ -632,8 +632,8 @@ class SWARadixCache(BuiltFromContext):
         dropped = self.total_size()
         if dropped:
             self.allocator.free(self.all_values_flatten())
-        self._full_policy.clear()
-        self._swa_policy.clear()
+        self.full_policy.clear()
+        self.swa_policy.clear()
         self._new_tree()
         if self.events is not None:
             self.events.cache_cleared(CacheCleared(cache=self.name, num_tokens=dropped))
@@ -643,5 +643,5 @@ class SWARadixCache(BuiltFromContext):
             f"SWARadixCache(window={self.sliding_window_size}, page_size={self.page_size}, "
             f"evictable={self._full_evictable}, protected={self._full_protected}, "
             f"swa_evictable={self._swa_evictable}, swa_protected={self._swa_protected}, "
-            f"policy={type(self._full_policy).__name__})"
+            f"policy={type(self.full_policy).__name__})"
         )

@@ -653,13 +653,13 @@ def test_paged_bad_construction(size, page_size, match):
 # ===========================================================================================
 
 
-def swa(size: int = 16, size_swa: int = 4, window: int = 4, **kw) -> SWAAllocator:
-    return SWAAllocator(size, size_swa, window, device="cpu", **kw)
+def swa(size: int = 16, swa_size: int = 4, window: int = 4, **kw) -> SWAAllocator:
+    return SWAAllocator(size, swa_size, window, device="cpu", **kw)
 
 
 def test_swa_fresh_state_and_protocol():
     a = swa(16, 4, 8)
-    assert (a.size, a.size_full, a.size_swa, a.sliding_window_size, a.page_size) == (
+    assert (a.size, a.size_full, a.swa_size, a.sliding_window_size, a.page_size) == (
         16,
         16,
         4,
@@ -787,7 +787,7 @@ def test_swa_from_geometry_builds_a_hybrid_pool():
     )
     assert isinstance(a.pool, HybridSWAKVPool)
     assert a.pool.swa_layer_ids == (0, 2, 4) and a.pool.full_layer_ids == (1, 3, 5)
-    assert (a.size, a.size_swa) == (32, 8)
+    assert (a.size, a.swa_size) == (32, 8)
     assert a.full_allocator.pool is a.pool.full and a.swa_allocator.pool is a.pool.swa
     full = a.alloc(2)
     a.pool.set_kv(

@@ -48,6 +48,10 @@ class RebuildHeapLRU:
                 return c
         return None
 
+    def peek(self) -> Any:
+        """The next victim without taking it: a scan, as the rebuild baseline would do."""
+        return min(self._items, key=lambda c: (c.last_access_time, c.node_id), default=None)
+
     def clear(self) -> None:
         self._items.clear()
 

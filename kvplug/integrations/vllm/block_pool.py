@@ -1,0 +1,343 @@
+"""A kvplug eviction policy inside vLLM's ``BlockPool``: it picks which free cached block goes.
+
+vLLM keeps every free block in one intrusive doubly linked list (``FreeKVCacheBlockQueue``).
+Blocks freed without a hash, and cached blocks freed with ``evict_first``, are prepended and
+reused first; cached blocks are appended, and taking from the head makes eviction LRU. We keep
+that list, the hash map, the ref counts and ``num_free_blocks`` exactly as vLLM maintains them
+and change one decision: when the block at the head is a cached block appended by a free, the
+policy names the cached free block that leaves instead. Blocks vLLM put elsewhere (unhashed,
+evict-first, unpinned last-resort blocks) keep vLLM's order.
+
+Statistics live in a side table indexed by block id (vLLM's blocks are slotted): one
+:class:`BlockStats` per cached lifetime of a block, created when vLLM caches it, a hit counted
+when a request reuses it (``BlockPool.touch``), its recency set when it is freed.
+
+Chains: vLLM finds a prefix by walking block hashes from the first block, so evicting a block
+whose successor is still cached orphans the successor (cached, unreachable). For full-attention
+groups the policy is only offered blocks with no cached successor (leaves); a block becomes a
+candidate when its last cached successor loses its hash. LRU never prefers a non-leaf (vLLM frees
+a request's blocks tail first), so ``lru`` reproduces vLLM's block ids exactly. If every free
+cached block is a non-leaf (possible only when a successor is in use and its predecessor free),
+the head of vLLM's list is taken, as vLLM would.
+
+The pool and its queue are converted in place (``install_policy``), so every object already
+holding them (managers, connectors) sees the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from kvplug_hookspecs import CandidateStats, EvictionPolicy
+
+__all__ = ["BlockStats", "PolicyFreeBlockQueue", "install_policy", "installed_policy"]
+
+
+class BlockStats(CandidateStats):
+    """The statistics of one cached lifetime of a vLLM block (``block_id`` finds the block)."""
+
+    __slots__ = ("block_id",)
+
+    def __init__(self, block_id: int, now: int, num_tokens: int) -> None:
+        super().__init__(now, num_tokens=num_tokens)
+        self.block_id = block_id
+
+
+def _content_id(block_hash: Any) -> int:
+    # BlockHashWithGroupId is bytes: the hash followed by the group id.
+    return int.from_bytes(bytes(block_hash[:8]), "little") if block_hash else 0
+
+
+class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
+    """vLLM's free-block list, where a kvplug policy chooses among the free cached blocks.
+
+    ``_tracked[b]`` is 1 while block ``b`` sits in the list as a cached block appended by a free
+    (the policy's domain); the policy holds the tracked blocks that are chain leaves.
+    """
+
+    _blocks: list[KVCacheBlock]
+    _policy: EvictionPolicy
+    _stats: list[BlockStats | None]
+    _tracked: bytearray
+    _parent: list[int]
+    _parent_gen: list[int]
+    _gen: list[int]
+    _num_children: list[int]
+    _clock: int
+
+    @classmethod
+    def adopt(
+        cls, queue: FreeKVCacheBlockQueue, blocks: list[KVCacheBlock], policy: EvictionPolicy
+    ) -> PolicyFreeBlockQueue:
+        """Turn vLLM's queue into this class in place; cached free blocks join in list order."""
+        queue.__class__ = cls
+        assert isinstance(queue, cls)
+        n = len(blocks)
+        queue._blocks = blocks
+        queue._policy = policy
+        queue._stats = [None] * n
+        queue._tracked = bytearray(n)
+        queue._parent = [-1] * n
+        queue._parent_gen = [0] * n
+        queue._gen = [0] * n
+        queue._num_children = [0] * n
+        queue._clock = 0
+        for block in queue.get_all_free_blocks():
+            if block.block_hash is not None:
+                queue.on_cached(block, None, 0)
+                queue._track(block)
+        return queue
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The kvplug policy ranking the free cached leaves."""
+        return self._policy
+
+    def stats(self, block_id: int) -> BlockStats | None:
+        """The statistics of a block's current cached lifetime (``None`` if never cached)."""
+        return self._stats[block_id]
+
+    def _stat(self, block_id: int) -> BlockStats:
+        stats = self._stats[block_id]
+        assert stats is not None, f"block {block_id} is tracked without statistics"
+        return stats
+
+    def is_leaf(self, block_id: int) -> bool:
+        """No cached block continues this block's chain (evicting it orphans nothing)."""
+        return not self._num_children[block_id]
+
+    # -- vLLM's queue operations --------------------------------------------------------------
+
+    def popleft(self) -> KVCacheBlock:
+        if not self.num_free_blocks:
+            return super().popleft()  # vLLM's own error
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` blocks: vLLM's head while it is not a tracked cached block, else the
+        policy's victim (the head again when the policy holds no leaf)."""
+        if n == 0:
+            return []
+        assert self.num_free_blocks >= n
+        head, tracked, policy, blocks = (
+            self.fake_free_list_head,
+            self._tracked,
+            self._policy,
+            self._blocks,
+        )
+        taken = []
+        for _ in range(n):
+            victim = head.next_free_block
+            assert victim is not None
+            if tracked[victim.block_id]:
+                stats = policy.pop()
+                if stats is not None:
+                    victim = blocks[stats.block_id]  # type: ignore[attr-defined]
+                tracked[victim.block_id] = 0
+            FreeKVCacheBlockQueue.remove(self, victim)
+            # vLLM evicts every taken block's hash right after: its parent is a leaf already.
+            self._unlink(victim.block_id)
+            taken.append(victim)
+        return taken
+
+    def remove(self, block: KVCacheBlock) -> None:
+        super().remove(block)
+        self._untrack(block.block_id)
+
+    def append(self, block: KVCacheBlock) -> None:
+        super().append(block)
+        self._track(block)
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        super().append_n(blocks)
+        for block in blocks:
+            self._track(block)
+
+    # prepend_n is vLLM's: prepended blocks (unhashed or evict-first) are reused first, untracked.
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def _track(self, block: KVCacheBlock) -> None:
+        stats = self._stats[block.block_id]
+        if block.block_hash is None or stats is None:
+            return  # unhashed: reused in vLLM's order
+        self._tracked[block.block_id] = 1
+        self._clock += 1
+        stats.last_access_time = self._clock
+        if not self._num_children[block.block_id]:
+            self._policy.add(stats)
+
+    def _untrack(self, block_id: int) -> None:
+        if self._tracked[block_id]:
+            self._tracked[block_id] = 0
+            self._policy.discard(self._stat(block_id))
+
+    def keep_in_place(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Leave these free blocks where vLLM put them (unpinned last-resort blocks)."""
+        for block in blocks:
+            self._untrack(block.block_id)
+
+    def on_cached(self, block: KVCacheBlock, parent: KVCacheBlock | None, num_tokens: int) -> None:
+        """vLLM cached ``block`` (new content): a new lifetime, linked under its chain parent."""
+        block_id = block.block_id
+        self._clock += 1
+        stats = BlockStats(block_id, self._clock, num_tokens)
+        hash_tokens = block.block_hash_num_tokens
+        stats.depth = max(0, hash_tokens - num_tokens) if hash_tokens else 0
+        stats.content_id = _content_id(block.block_hash)
+        stats.new_tokens = num_tokens
+        self._stats[block_id] = stats
+        self._unlink(block_id)
+        if parent is not None and parent.block_hash is not None:
+            parent_id = parent.block_id
+            self._parent[block_id] = parent_id
+            self._parent_gen[block_id] = self._gen[parent_id]
+            self._num_children[parent_id] += 1
+            if self._num_children[parent_id] == 1 and self._tracked[parent_id]:
+                self._policy.discard(self._stat(parent_id))
+
+    def on_hit(self, block: KVCacheBlock) -> None:
+        """A request reused cached ``block`` (vLLM touched it when admitting the request)."""
+        stats = self._stats[block.block_id]
+        if stats is not None:
+            self._clock += 1
+            stats.hit_count += 1
+            stats.last_access_time = self._clock
+
+    def on_hash_removed(self, block: KVCacheBlock) -> None:
+        """``block`` lost its hashes: its parent may become a leaf, its children are unlinked."""
+        block_id = block.block_id
+        self._unlink(block_id)
+        self._gen[block_id] += 1
+        if self._num_children[block_id]:
+            self._num_children[block_id] = 0
+            if self._tracked[block_id]:
+                self._policy.add(self._stat(block_id))
+
+    def _unlink(self, block_id: int) -> None:
+        parent_id = self._parent[block_id]
+        if parent_id < 0:
+            return
+        self._parent[block_id] = -1
+        if self._parent_gen[block_id] == self._gen[parent_id]:
+            self._num_children[parent_id] -= 1
+            if not self._num_children[parent_id] and self._tracked[parent_id]:
+                self._policy.add(self._stat(parent_id))
+
+    def on_reset(self) -> None:
+        """vLLM dropped every hash (``reset_prefix_cache``): no chains remain."""
+        for block_id, children in enumerate(self._num_children):
+            if children and self._tracked[block_id]:
+                self._policy.add(self._stat(block_id))
+        n = len(self._blocks)
+        self._parent = [-1] * n
+        self._num_children = [0] * n
+        self._gen = [gen + 1 for gen in self._gen]
+
+
+class _PolicyBlockPool:
+    """Mixed in before vLLM's ``BlockPool`` class: reports hits, new cached blocks, lost hashes
+    and resets to the policy queue. Every method calls vLLM's first, so vLLM's state is updated
+    before the policy sees the change."""
+
+    free_block_queue: PolicyFreeBlockQueue
+    _kvplug_chain_groups: frozenset[int]
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        super().touch(blocks)  # type: ignore[misc]
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.block_hash is not None:
+                queue.on_hit(block)
+
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().cache_full_blocks(  # type: ignore[misc]
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            *args,
+            **kwargs,
+        )
+        queue = self.free_block_queue
+        chained = kv_cache_group_id in self._kvplug_chain_groups
+        for i in range(num_cached_blocks, min(num_full_blocks, len(blocks))):
+            block = blocks[i]
+            if block.is_null or block.block_hash is None:
+                continue
+            parent = blocks[i - 1] if chained and i > 0 else None
+            if parent is not None and parent.is_null:
+                parent = None
+            queue.on_cached(block, parent, block_size)
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> Any:
+        had_hash = block.block_hash is not None
+        removed = super()._remove_cached_block_hashes(block)  # type: ignore[misc]
+        if had_hash:
+            self.free_block_queue.on_hash_removed(block)
+        return removed
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
+        blocks = list(blocks)
+        super().unpin_blocks(blocks, on_reuse)  # type: ignore[misc]
+        self.free_block_queue.keep_in_place(block for block in blocks if block.ref_cnt == 0)
+
+    def reset_prefix_cache(self) -> bool:
+        done: bool = super().reset_prefix_cache()  # type: ignore[misc]
+        if done:
+            self.free_block_queue.on_reset()
+        return done
+
+
+_pool_classes: dict[type, type] = {}
+
+
+def _policy_pool_class(base: type) -> type:
+    cls = _pool_classes.get(base)
+    if cls is None:
+        cls = type(f"Kvplug{base.__name__}", (_PolicyBlockPool, base), {"__module__": __name__})
+        _pool_classes[base] = cls
+    return cls
+
+
+def install_policy(
+    block_pool: BlockPool,
+    policy: EvictionPolicy,
+    *,
+    chain_group_ids: Iterable[int] = (0,),
+) -> PolicyFreeBlockQueue:
+    """Let ``policy`` choose which free cached block of ``block_pool`` is evicted.
+
+    ``chain_group_ids`` are the KV-cache groups whose blocks form prefix chains (full attention):
+    their blocks are offered to the policy only as chain leaves. Install before the pool serves
+    requests: blocks cached earlier join without chain links. Returns the pool's queue.
+    """
+    if isinstance(block_pool, _PolicyBlockPool):
+        raise ValueError("this BlockPool already has a kvplug eviction policy")
+    if not isinstance(policy, EvictionPolicy):
+        raise TypeError(f"policy must be a kvplug EvictionPolicy, got {type(policy).__name__}")
+    block_pool.__class__ = _policy_pool_class(type(block_pool))
+    block_pool._kvplug_chain_groups = frozenset(chain_group_ids)
+    return PolicyFreeBlockQueue.adopt(block_pool.free_block_queue, block_pool.blocks, policy)
+
+
+def installed_policy(block_pool: BlockPool) -> EvictionPolicy | None:
+    """The kvplug policy of a pool, or ``None`` when the pool runs vLLM's own order."""
+    queue = block_pool.free_block_queue
+    return queue.policy if isinstance(queue, PolicyFreeBlockQueue) else None

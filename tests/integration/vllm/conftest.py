@@ -8,6 +8,7 @@ returns one sampled token per request whose prefill is complete. Test modules ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -81,9 +82,10 @@ class Engine:
             req = self.scheduler.requests[req_id]
             done_prefill = req.num_computed_tokens >= req.num_tokens
             sampled.append([7] if done_prefill else [])
-        outputs = self.scheduler.update_from_output(
-            out, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
-        )
+        kw: dict[str, Any] = {"req_ids": req_ids, "sampled_token_ids": sampled}
+        if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+            kw["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}  # vLLM 0.33
+        outputs = self.scheduler.update_from_output(out, ModelRunnerOutput(**kw))
         for engine_outputs in outputs.values():
             for output in engine_outputs.outputs:
                 if output.prefill_stats is not None:
@@ -198,3 +200,40 @@ def make_request(request_id: str, prompt: list[int], block_size: int = 16) -> An
     return Request(
         request_id, prompt, params, None, block_hasher=get_request_block_hasher(block_size, sha256)
     )
+
+
+def admit(manager: Any, request: Any) -> Any:
+    """Prefix-match and allocate a whole prompt as the scheduler does (None: it does not fit)."""
+    computed, num_computed, *_ = manager.get_computed_blocks(request)
+    blocks = manager.allocate_slots(
+        request, request.num_tokens - num_computed, num_computed, computed
+    )
+    if blocks is None:
+        return None
+    return computed.get_block_ids(), blocks.get_block_ids()
+
+
+def free_ids(manager: Any) -> list[int]:
+    return [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def check_pool(manager: Any) -> None:
+    """vLLM's counts and list are exact and the policy holds exactly the free cached leaves."""
+    pool = manager.block_pool
+    queue = pool.free_block_queue
+    listed = free_ids(manager)
+    assert len(listed) == len(set(listed)) == queue.num_free_blocks == pool.get_num_free_blocks()
+    free = {b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null}
+    assert set(listed) == free
+    from kvplug.integrations.vllm.block_pool import PolicyFreeBlockQueue
+
+    if isinstance(queue, PolicyFreeBlockQueue):
+        policy = queue.policy
+        in_policy = set()
+        for block_id in range(len(pool.blocks)):
+            stats = queue.stats(block_id)
+            if stats is not None and stats in policy:
+                in_policy.add(block_id)
+        assert in_policy <= free
+        assert all(queue.is_leaf(b) for b in in_policy)
+        assert len(policy) == len(in_policy)

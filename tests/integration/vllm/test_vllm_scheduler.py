@@ -1,0 +1,166 @@
+"""kvplug inside vLLM's real Scheduler: loaded by vLLM's plugin loader, selected per engine,
+driven through schedule() / update_from_output() with chunked prefill, concurrency and
+preemption."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from pydantic import ValidationError
+
+from kvplug.errors import UnknownComponentError
+from kvplug.integrations.vllm import UnsupportedVllmError, plugin
+from kvplug.integrations.vllm.block_pool import installed_policy
+from kvplug.policies import LFUPolicy, SLRUPolicy
+from tests.integration.vllm.conftest import check_pool, make_engine
+
+pytestmark = pytest.mark.vllm
+
+SLRU_JSON = '{"eviction_policy": {"name": "slru", "options": {"protected_hits": 2}}}'
+ROUTES: dict[str, tuple[Any, str | None]] = {
+    "additional-config object": ({"kvplug": {"eviction_policy": "slru"}}, None),
+    "additional-config name": ({"kvplug": "slru"}, None),
+    "env name": (None, "slru"),
+    "env json": (None, SLRU_JSON),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_loaded_our_plugin() -> None:
+    """vLLM's own loader finds the installed entry point and runs it (once per process)."""
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    load_general_plugins()
+    plugin.register()  # idempotent; covers a process where the loader already ran
+    assert getattr(Scheduler.__init__, "__kvplug_wrapped__", False)
+
+
+def test_entry_point_is_installed() -> None:
+    found = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert found.get("kvplug") == "kvplug.integrations.vllm:register"
+
+
+def test_not_selected_keeps_vllm_block_pool(tiny_model_dir: str) -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    engine = make_engine(tiny_model_dir)
+    assert type(engine.pool) is BlockPool
+    assert installed_policy(engine.pool) is None
+
+
+def busy_workload(engine: Any) -> list[Any]:
+    """Concurrent requests sharing prefixes, prompts longer than a step's token budget (chunked
+    prefill) and decodes that outgrow the pool (preemption); checks vLLM after every step."""
+    shared = list(range(40))
+    requests = [
+        engine.request(f"r{i}", shared[: 16 * (i % 3)] + [100 + i] * (30 + 7 * i), max_tokens=24)
+        for i in range(10)
+    ]
+    for req in requests:
+        engine.scheduler.add_request(req)
+    for _ in range(500):
+        if not engine.scheduler.has_unfinished_requests():
+            break
+        engine.step()
+        check_pool(engine.scheduler.kv_cache_manager)
+    assert not engine.scheduler.has_unfinished_requests()
+    return requests
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_activation_routes_run_the_scheduler(
+    route: str, tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    additional, env = ROUTES[route]
+    if env is not None:
+        monkeypatch.setenv("KVPLUG_VLLM", env)
+    engine = make_engine(
+        tiny_model_dir,
+        num_blocks=24,
+        additional_config=additional,
+        max_num_batched_tokens=48,
+        max_num_seqs=6,
+    )
+    assert isinstance(installed_policy(engine.pool), SLRUPolicy)
+    requests = busy_workload(engine)
+    assert any(req.num_preemptions for req in requests), "the workload should preempt"
+    assert sum(engine.cached_tokens.values()) > 0, "shared prefixes should hit"
+    # idle: every block but vLLM's null block is free, nothing leaked
+    assert engine.pool.get_num_free_blocks() == 23
+    check_pool(engine.scheduler.kv_cache_manager)
+    assert engine.scheduler.reset_prefix_cache()
+    check_pool(engine.scheduler.kv_cache_manager)
+
+
+def test_same_workload_same_outcome_as_vllm_with_lru(tiny_model_dir: str) -> None:
+    """The scheduler's decisions (tokens cached per request, steps) match vLLM's under lru."""
+    outcomes = []
+    for additional in (None, {"kvplug": "lru"}):
+        engine = make_engine(
+            tiny_model_dir,
+            num_blocks=24,
+            additional_config=additional,
+            max_num_batched_tokens=48,
+            max_num_seqs=6,
+        )
+        requests = busy_workload(engine)
+        outcomes.append((engine.steps, engine.cached_tokens, [r.num_preemptions for r in requests]))
+    assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize(
+    ("selection", "survives"),
+    [(None, False), ("lru", False), ("lfu", True), ("slru", True)],
+)
+def test_hot_prefix_survives_a_scan(
+    selection: str | None, survives: bool, tiny_model_dir: str
+) -> None:
+    """A 4-block system prompt used three times, then a scan of one-off prompts larger than the
+    pool: vLLM's LRU (and kvplug lru) lose the prompt, lfu and slru keep it."""
+    additional = {"kvplug": selection} if selection else None
+    engine = make_engine(tiny_model_dir, num_blocks=32, additional_config=additional)
+    hot = list(range(64))
+    for i in range(3):
+        engine.serve(engine.request(f"hot{i}", hot + [900 + i] * 5))
+    assert engine.cached_tokens["hot2"] == 64
+    for i in range(6):
+        engine.serve(engine.request(f"scan{i}", [1000 + i] * 140))
+    engine.serve(engine.request("again", hot + [5] * 5))
+    assert engine.cached_tokens["again"] == (64 if survives else 0)
+    assert engine.pool.get_num_free_blocks() == 31
+    check_pool(engine.scheduler.kv_cache_manager)
+    if selection == "lfu":
+        assert isinstance(installed_policy(engine.pool), LFUPolicy)
+
+
+def test_bad_selection_refuses_to_start(tiny_model_dir: str) -> None:
+    with pytest.raises(UnknownComponentError, match="Valid eviction policies"):
+        make_engine(tiny_model_dir, additional_config={"kvplug": "lruu"})
+    with pytest.raises(ValidationError, match="protected_hits"):
+        make_engine(
+            tiny_model_dir,
+            additional_config={
+                "kvplug": {"eviction_policy": {"name": "slru", "options": {"protected_hits": -1}}}
+            },
+        )
+
+
+def test_unsupported_vllm_refuses_loudly(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.35.0")
+    with pytest.raises(UnsupportedVllmError, match=r"vllm>=0\.33,<0\.35, found vllm 0\.35\.0"):
+        make_engine(tiny_model_dir, additional_config={"kvplug": "lfu"})
+    make_engine(tiny_model_dir)  # not selected: vLLM runs as usual
+    with caplog.at_level("ERROR"):
+        plugin.register()
+    assert "outside the supported range" in caplog.text
+    monkeypatch.setenv("KVPLUG_VLLM", "lfu")
+    with pytest.raises(UnsupportedVllmError):
+        plugin.register()

@@ -38,18 +38,18 @@ __all__ = ["BlockStats", "PolicyFreeBlockQueue", "install_policy", "installed_po
 
 
 class BlockStats(CandidateStats):
-    """The statistics of one cached lifetime of a vLLM block (``block_id`` finds the block)."""
+    """The statistics of a vLLM block's cached content (``block_id`` finds the block).
+
+    One object per block id, reset when the block caches new content (its previous content was
+    evicted, so no policy holds it): ``node_id`` names the block slot, ``content_id`` the content
+    (the hash of vLLM's block hash, stable within the process).
+    """
 
     __slots__ = ("block_id",)
 
     def __init__(self, block_id: int, now: int, num_tokens: int) -> None:
         super().__init__(now, num_tokens=num_tokens)
         self.block_id = block_id
-
-
-def _content_id(block_hash: Any) -> int:
-    # BlockHashWithGroupId is bytes: the hash followed by the group id.
-    return int.from_bytes(bytes(block_hash[:8]), "little") if block_hash else 0
 
 
 class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
@@ -88,7 +88,7 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         queue._clock = 0
         for block in queue.get_all_free_blocks():
             if block.block_hash is not None:
-                queue.on_cached(block, None, 0)
+                queue.on_cached([block], 0, 1, 0, False)
                 queue._track(block)
         return queue
 
@@ -123,6 +123,7 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if n == 0:
             return []
         assert self.num_free_blocks >= n
+        parent_of = self._parent
         head, tracked, policy, blocks = (
             self.fake_free_list_head,
             self._tracked,
@@ -140,7 +141,8 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 tracked[victim.block_id] = 0
             FreeKVCacheBlockQueue.remove(self, victim)
             # vLLM evicts every taken block's hash right after: its parent is a leaf already.
-            self._unlink(victim.block_id)
+            if parent_of[victim.block_id] >= 0:
+                self._unlink(victim.block_id)
             taken.append(victim)
         return taken
 
@@ -181,37 +183,62 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         for block in blocks:
             self._untrack(block.block_id)
 
-    def on_cached(self, block: KVCacheBlock, parent: KVCacheBlock | None, num_tokens: int) -> None:
-        """vLLM cached ``block`` (new content): a new lifetime, linked under its chain parent."""
-        block_id = block.block_id
-        self._clock += 1
-        stats = BlockStats(block_id, self._clock, num_tokens)
-        hash_tokens = block.block_hash_num_tokens
-        stats.depth = max(0, hash_tokens - num_tokens) if hash_tokens else 0
-        stats.content_id = _content_id(block.block_hash)
-        stats.new_tokens = num_tokens
-        self._stats[block_id] = stats
-        self._unlink(block_id)
-        if parent is not None and parent.block_hash is not None:
-            parent_id = parent.block_id
-            self._parent[block_id] = parent_id
-            self._parent_gen[block_id] = self._gen[parent_id]
-            self._num_children[parent_id] += 1
-            if self._num_children[parent_id] == 1 and self._tracked[parent_id]:
-                self._policy.discard(self._stat(parent_id))
-
-    def on_hit(self, block: KVCacheBlock) -> None:
-        """A request reused cached ``block`` (vLLM touched it when admitting the request)."""
-        stats = self._stats[block.block_id]
-        if stats is not None:
+    def on_cached(
+        self, blocks: Sequence[KVCacheBlock], start: int, end: int, num_tokens: int, chained: bool
+    ) -> None:
+        """vLLM cached ``blocks[start:end]`` (new content, a request's chain): each starts a new
+        lifetime; in a chained group each is linked under the block before it."""
+        stats_of, parent_of, parent_gen, gen = (
+            self._stats,
+            self._parent,
+            self._parent_gen,
+            self._gen,
+        )
+        num_children, tracked = self._num_children, self._tracked
+        for i in range(start, min(end, len(blocks))):
+            block = blocks[i]
+            block_hash = block.block_hash
+            if block.is_null or block_hash is None:
+                continue
+            block_id = block.block_id
             self._clock += 1
-            stats.hit_count += 1
-            stats.last_access_time = self._clock
+            stats = stats_of[block_id]
+            if stats is None:
+                stats = stats_of[block_id] = BlockStats(block_id, self._clock, num_tokens)
+            else:  # the block's previous content was evicted: reuse its slot
+                stats.creation_time = stats.last_access_time = self._clock
+                stats.hit_count = 0
+            hash_tokens = block.block_hash_num_tokens
+            stats.depth = hash_tokens - num_tokens if hash_tokens else 0
+            stats.content_id = hash(block_hash)  # bytes cache their hash: free after vLLM's lookups
+            stats.new_tokens = num_tokens
+            if parent_of[block_id] >= 0:
+                self._unlink(block_id)
+            parent = blocks[i - 1] if chained and i > 0 else None
+            if parent is not None and not parent.is_null and parent.block_hash is not None:
+                parent_id = parent.block_id
+                parent_of[block_id] = parent_id
+                parent_gen[block_id] = gen[parent_id]
+                num_children[parent_id] += 1
+                if num_children[parent_id] == 1 and tracked[parent_id]:
+                    self._policy.discard(self._stat(parent_id))
+
+    def on_hits(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Requests reused these cached blocks (vLLM touched them when admitting a request)."""
+        stats_of = self._stats
+        for block in blocks:
+            if block.block_hash is not None:
+                stats = stats_of[block.block_id]
+                if stats is not None:
+                    self._clock += 1
+                    stats.hit_count += 1
+                    stats.last_access_time = self._clock
 
     def on_hash_removed(self, block: KVCacheBlock) -> None:
         """``block`` lost its hashes: its parent may become a leaf, its children are unlinked."""
         block_id = block.block_id
-        self._unlink(block_id)
+        if self._parent[block_id] >= 0:
+            self._unlink(block_id)
         self._gen[block_id] += 1
         if self._num_children[block_id]:
             self._num_children[block_id] = 0
@@ -249,10 +276,7 @@ class _PolicyBlockPool:
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         super().touch(blocks)  # type: ignore[misc]
-        queue = self.free_block_queue
-        for block in blocks:
-            if block.block_hash is not None:
-                queue.on_hit(block)
+        self.free_block_queue.on_hits(blocks)
 
     def cache_full_blocks(
         self,
@@ -275,16 +299,10 @@ class _PolicyBlockPool:
             *args,
             **kwargs,
         )
-        queue = self.free_block_queue
         chained = kv_cache_group_id in self._kvplug_chain_groups
-        for i in range(num_cached_blocks, min(num_full_blocks, len(blocks))):
-            block = blocks[i]
-            if block.is_null or block.block_hash is None:
-                continue
-            parent = blocks[i - 1] if chained and i > 0 else None
-            if parent is not None and parent.is_null:
-                parent = None
-            queue.on_cached(block, parent, block_size)
+        self.free_block_queue.on_cached(
+            blocks, num_cached_blocks, num_full_blocks, block_size, chained
+        )
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> Any:
         had_hash = block.block_hash is not None

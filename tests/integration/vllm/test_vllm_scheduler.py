@@ -4,6 +4,10 @@ preemption."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -14,7 +18,7 @@ pytest.importorskip("vllm")
 from pydantic import ValidationError
 
 from kvplug.errors import UnknownComponentError
-from kvplug.integrations.vllm import UnsupportedVllmError, plugin
+from kvplug.integrations.vllm import UnsupportedVllmError, plugin, selected_config
 from kvplug.integrations.vllm.block_pool import installed_policy
 from kvplug.policies import LFUPolicy, SLRUPolicy
 from tests.integration.vllm.conftest import check_pool, make_engine
@@ -164,3 +168,31 @@ def test_unsupported_vllm_refuses_loudly(
     monkeypatch.setenv("KVPLUG_VLLM", "lfu")
     with pytest.raises(UnsupportedVllmError):
         plugin.register()
+
+
+def test_cli_flag_reaches_vllm_config(tiny_model_dir: str) -> None:
+    """`vllm serve --additional-config '{"kvplug": ...}'` parses into the dict kvplug reads.
+
+    In a subprocess: vLLM's argument parser needs a platform (VLLM_TARGET_DEVICE=cpu here), which
+    is fixed per process and must not leak into the other tests."""
+    code = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "parser = EngineArgs.add_cli_args(FlexibleArgumentParser())\n"
+        f"args = parser.parse_args(['--model', {tiny_model_dir!r}, '--enable-prefix-caching',\n"
+        '    \'--additional-config\', \'{"kvplug": {"eviction_policy": "slru"}}\'])\n'
+        "print(json.dumps(EngineArgs.from_cli_args(args).additional_config))\n"
+    )
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import json\n" + code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    additional = json.loads(done.stdout.strip().splitlines()[-1])
+    config = selected_config(additional, environ={})
+    assert config is not None and config.eviction_policy.name == "slru"

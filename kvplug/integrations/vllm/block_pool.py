@@ -87,9 +87,7 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         queue._num_children = [0] * n
         queue._clock = 0
         for block in queue.get_all_free_blocks():
-            if block.block_hash is not None:
-                queue.on_cached([block], 0, 1, 0, False)
-                queue._track(block)
+            queue._track(block)  # a cached free block joins with fresh statistics
         return queue
 
     @property
@@ -164,14 +162,37 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     # -- bookkeeping -----------------------------------------------------------------------------
 
     def _track(self, block: KVCacheBlock) -> None:
-        stats = self._stats[block.block_id]
-        if block.block_hash is None or stats is None:
+        block_hash = block.block_hash
+        if block_hash is None:
             return  # unhashed: reused in vLLM's order
-        self._tracked[block.block_id] = 1
+        block_id = block.block_id
+        stats = self._stats[block_id]
+        if stats is None or stats.content_id != hash(block_hash):
+            stats = self._renew(block)
+        self._tracked[block_id] = 1
         self._clock += 1
         stats.last_access_time = self._clock
-        if not self._num_children[block.block_id]:
+        if not self._num_children[block_id]:
             self._policy.add(stats)
+
+    def _renew(self, block: KVCacheBlock, num_tokens: int = 0) -> BlockStats:
+        """Fresh statistics for the block's current content: reuse the slot's object (its old
+        content was evicted, so no policy holds it)."""
+        block_id = block.block_id
+        self._clock += 1
+        stats: BlockStats | None = self._stats[block_id]
+        if stats is None:
+            stats = BlockStats(block_id, self._clock, num_tokens)
+            self._stats[block_id] = stats
+        else:
+            stats.creation_time = stats.last_access_time = self._clock
+            stats.hit_count = 0
+            stats.num_tokens = num_tokens
+        hash_tokens = block.block_hash_num_tokens
+        stats.depth = max(hash_tokens - num_tokens, 0) if hash_tokens else 0
+        stats.content_id = hash(block.block_hash)  # bytes cache their hash: free after lookups
+        stats.new_tokens = num_tokens
+        return stats
 
     def _untrack(self, block_id: int) -> None:
         if self._tracked[block_id]:
@@ -188,12 +209,7 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     ) -> None:
         """vLLM cached ``blocks[start:end]`` (new content, a request's chain): each starts a new
         lifetime; in a chained group each is linked under the block before it."""
-        stats_of, parent_of, parent_gen, gen = (
-            self._stats,
-            self._parent,
-            self._parent_gen,
-            self._gen,
-        )
+        parent_of, parent_gen, gen = self._parent, self._parent_gen, self._gen
         num_children, tracked = self._num_children, self._tracked
         for i in range(start, min(end, len(blocks))):
             block = blocks[i]
@@ -201,17 +217,7 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             if block.is_null or block_hash is None:
                 continue
             block_id = block.block_id
-            self._clock += 1
-            stats = stats_of[block_id]
-            if stats is None:
-                stats = stats_of[block_id] = BlockStats(block_id, self._clock, num_tokens)
-            else:  # the block's previous content was evicted: reuse its slot
-                stats.creation_time = stats.last_access_time = self._clock
-                stats.hit_count = 0
-            hash_tokens = block.block_hash_num_tokens
-            stats.depth = hash_tokens - num_tokens if hash_tokens else 0
-            stats.content_id = hash(block_hash)  # bytes cache their hash: free after vLLM's lookups
-            stats.new_tokens = num_tokens
+            self._renew(block, num_tokens)
             if parent_of[block_id] >= 0:
                 self._unlink(block_id)
             parent = blocks[i - 1] if chained and i > 0 else None
@@ -227,12 +233,14 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         """Requests reused these cached blocks (vLLM touched them when admitting a request)."""
         stats_of = self._stats
         for block in blocks:
-            if block.block_hash is not None:
+            block_hash = block.block_hash
+            if block_hash is not None:
                 stats = stats_of[block.block_id]
-                if stats is not None:
-                    self._clock += 1
-                    stats.hit_count += 1
-                    stats.last_access_time = self._clock
+                if stats is None or stats.content_id != hash(block_hash):
+                    stats = self._renew(block)
+                self._clock += 1
+                stats.hit_count += 1
+                stats.last_access_time = self._clock
 
     def on_hash_removed(self, block: KVCacheBlock) -> None:
         """``block`` lost its hashes: its parent may become a leaf, its children are unlinked."""

@@ -254,3 +254,48 @@ def test_install_refuses_twice_and_non_policies() -> None:
         install_policy(make_manager(8).block_pool, object())  # type: ignore[arg-type]
     assert installed_policy(make_manager(8).block_pool) is None
     assert installed_policy(manager.block_pool) is not None
+
+
+def test_unpinned_blocks_stay_last_resort() -> None:
+    """Blocks released with unpin_blocks keep vLLM's place at the tail, whatever the policy."""
+    manager = kvplug_manager("mru", 16)  # mru would pick the most recently freed block
+    pool = manager.block_pool
+    req_a = make_request("a", list(range(3 * BLOCK + 1)))
+    admit(manager, req_a)
+    manager.free(req_a)
+    req_b = make_request("b", [9] * (2 * BLOCK))
+    admit(manager, req_b)
+    pinned = manager.pop_blocks_for_free(req_b)
+    reused: list[int] = []
+    pool.unpin_blocks(pinned, lambda block: reused.append(block.block_id))
+    check_pool(manager)
+    others = pool.get_num_free_blocks() - len(pinned)
+    taken = pool.get_new_blocks(others)
+    assert not reused and {b.block_id for b in pinned}.isdisjoint(b.block_id for b in taken)
+    pool.get_new_blocks(len(pinned))
+    assert sorted(reused) == sorted(b.block_id for b in pinned)
+
+
+def test_statistics_mean_what_vllm_does() -> None:
+    """A hit per admission that reuses the block; recency when freed; fresh stats per content."""
+    manager = kvplug_manager("lfu", 20)
+    queue = manager.block_pool.free_block_queue
+    prompt = list(range(2 * BLOCK + 3))
+    for i in range(3):
+        req = make_request(f"r{i}", prompt)
+        admit(manager, req)
+        block_ids = manager.get_block_ids(req.request_id)[0]
+        manager.free(req)
+    first, second = (queue.stats(b) for b in block_ids[:2])
+    assert (first.hit_count, second.hit_count) == (2, 2)
+    assert first.depth == 0 and second.depth == BLOCK and first.num_tokens == BLOCK
+    assert first.last_access_time > second.last_access_time  # freed tail first
+    assert first.creation_time < second.creation_time
+    # evict everything: the next content in those slots starts from zero hits
+    manager.block_pool.free_blocks(manager.block_pool.get_new_blocks(19))
+    req = make_request("new", [5] * (2 * BLOCK + 1))
+    admit(manager, req)
+    for block_id in manager.get_block_ids("new")[0][:2]:
+        assert queue.stats(block_id).hit_count == 0
+    manager.free(req)
+    check_pool(manager)

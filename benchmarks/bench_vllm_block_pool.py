@@ -22,7 +22,7 @@ from typing import Any
 PHASES = ("get_new_blocks", "cache_full_blocks", "touch", "free_blocks")
 
 
-def make_pool(num_blocks: int, policy: str | None) -> Any:
+def make_pool(num_blocks: int, policy: str | None, chains: bool = True) -> Any:
     from vllm.v1.core.block_pool import BlockPool
 
     pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=16)
@@ -31,7 +31,8 @@ def make_pool(num_blocks: int, policy: str | None) -> Any:
         from kvplug.integrations.vllm.block_pool import install_policy
 
         registration = get_registry().get("eviction_policy", policy)
-        install_policy(pool, registration.factory(registration.options_model()))
+        policy_object = registration.factory(registration.options_model())
+        install_policy(pool, policy_object, chain_group_ids=(0,) if chains else ())
     return pool
 
 
@@ -43,9 +44,11 @@ def chain_hashes(seed: int, length: int) -> list[bytes]:
     return out
 
 
-def run(policy: str | None, num_blocks: int, request_blocks: int, rounds: int) -> dict[str, float]:
+def run(
+    policy: str | None, num_blocks: int, request_blocks: int, rounds: int, chains: bool = True
+) -> dict[str, float]:
     """Nanoseconds per block of each phase over ``rounds`` requests (after a warm-up fill)."""
-    pool = make_pool(num_blocks, policy)
+    pool = make_pool(num_blocks, policy, chains)
     totals = dict.fromkeys(PHASES, 0)
     shared = chain_hashes(-1, request_blocks)
     counted = 0
@@ -98,25 +101,32 @@ def main() -> None:
         f"vllm {vllm.__version__}: {args.blocks} blocks, {args.request_blocks} blocks per "
         f"request, {args.rounds} requests, median of {args.repeat}; ns per block"
     )
-    cases: list[str | None] = [None, *args.policies.split(",")]
-    medians: dict[str | None, dict[str, float]] = {}
+    # (policy, chain protection); the last row shows what keeping chain leaves costs
+    names = args.policies.split(",")
+    cases: list[tuple[str | None, bool]] = [(None, True), *((n, True) for n in names)]
+    cases.append((names[0], False))
+    medians: dict[tuple[str | None, bool], dict[str, float]] = {}
     for case in cases:
         runs = [
-            run(case, args.blocks, args.request_blocks, args.rounds) for _ in range(args.repeat)
+            run(case[0], args.blocks, args.request_blocks, args.rounds, case[1])
+            for _ in range(args.repeat)
         ]
         medians[case] = {p: statistics.median(r[p] for r in runs) for p in PHASES}
     header = f"{'queue':<12}" + "".join(f"{p:>19}" for p in PHASES) + f"{'total':>10}{'ratio':>8}"
     print(header)
-    stock_total = sum(medians[None].values())
+    stock = medians[(None, True)]
+    stock_total = sum(stock.values())
     for case in cases:
         row = medians[case]
         total = sum(row.values())
-        name = "vllm stock" if case is None else f"kvplug {case}"
+        policy, chains = case
+        name = "vllm stock" if policy is None else f"kvplug {policy}" + ("" if chains else "*")
         cells = "".join(
-            f"{row[p]:>10.0f} ({row[p] / medians[None][p]:>4.1f}x)" if case else f"{row[p]:>19.0f}"
+            f"{row[p]:>10.0f} ({row[p] / stock[p]:>4.1f}x)" if policy else f"{row[p]:>19.0f}"
             for p in PHASES
         )
         print(f"{name:<12}{cells}{total:>10.0f}{total / stock_total:>8.2f}")
+    print("* without chain protection (every free cached block is a candidate)")
 
 
 if __name__ == "__main__":

@@ -114,8 +114,10 @@ def make_engine(
     additional_config: dict[str, Any] | None = None,
     max_num_batched_tokens: int = 256,
     max_num_seqs: int = 8,
+    async_scheduling: bool = False,
 ) -> Engine:
-    """A real vLLM Scheduler (full attention, prefix caching on) over ``num_blocks`` blocks."""
+    """A real vLLM Scheduler (full attention, prefix caching on) over ``num_blocks`` blocks;
+    ``async_scheduling`` picks vLLM's AsyncScheduler (the engine's default) instead."""
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -147,7 +149,12 @@ def make_engine(
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
-    scheduler = Scheduler(
+    scheduler_cls = Scheduler
+    if async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        scheduler_cls = AsyncScheduler
+    scheduler = scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),

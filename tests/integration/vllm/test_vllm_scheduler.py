@@ -119,16 +119,29 @@ def test_same_workload_same_outcome_as_vllm_with_lru(tiny_model_dir: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("selection", "survives"),
-    [(None, False), ("lru", False), ("lfu", True), ("slru", True)],
+    ("selection", "survives", "async_scheduling"),
+    [
+        (None, False, False),
+        ("lru", False, False),
+        ("lfu", True, False),
+        ("slru", True, False),
+        (None, False, True),
+        ("slru", True, True),
+    ],
 )
 def test_hot_prefix_survives_a_scan(
-    selection: str | None, survives: bool, tiny_model_dir: str
+    selection: str | None, survives: bool, async_scheduling: bool, tiny_model_dir: str
 ) -> None:
     """A 4-block system prompt used three times, then a scan of one-off prompts larger than the
-    pool: vLLM's LRU (and kvplug lru) lose the prompt, lfu and slru keep it."""
+    pool: vLLM's LRU (and kvplug lru) lose the prompt, lfu and slru keep it; with vLLM's
+    Scheduler and with its AsyncScheduler (the engine's default)."""
     additional = {"kvplug": selection} if selection else None
-    engine = make_engine(tiny_model_dir, num_blocks=32, additional_config=additional)
+    engine = make_engine(
+        tiny_model_dir,
+        num_blocks=32,
+        additional_config=additional,
+        async_scheduling=async_scheduling,
+    )
     hot = list(range(64))
     for i in range(3):
         engine.serve(engine.request(f"hot{i}", hot + [900 + i] * 5))

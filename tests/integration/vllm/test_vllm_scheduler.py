@@ -17,6 +17,13 @@ pytest.importorskip("vllm")
 
 from pydantic import ValidationError
 
+from kvplug import (
+    EvictionPolicyRegistration,
+    KeyedEvictionPolicy,
+    NoOptions,
+    get_registry,
+    hookimpl,
+)
 from kvplug.errors import UnknownComponentError
 from kvplug.integrations.vllm import UnsupportedVllmError, plugin, selected_config
 from kvplug.integrations.vllm.block_pool import installed_policy
@@ -209,3 +216,47 @@ def test_cli_flag_reaches_vllm_config(tiny_model_dir: str) -> None:
     additional = json.loads(done.stdout.strip().splitlines()[-1])
     config = selected_config(additional, environ={})
     assert config is not None and config.eviction_policy.name == "slru"
+
+
+class DeepestFirst(KeyedEvictionPolicy):
+    """A third-party policy reading a feature the side table fills: deepest blocks go first."""
+
+    def key(self, candidate: Any) -> Any:
+        return (-candidate.depth, candidate.last_access_time)
+
+
+class DeepestFirstPlugin:
+    @hookimpl
+    def kvplug_eviction_policies(self) -> Any:
+        yield EvictionPolicyRegistration(
+            name="deepest_first",
+            factory=DeepestFirst,
+            options_model=NoOptions,
+            description="evict the block farthest from the prompt start first",
+        )
+
+
+def test_third_party_policy_runs_in_vllm(tiny_model_dir: str) -> None:
+    registry = get_registry()
+    plugin_object = DeepestFirstPlugin()
+    registry.register(plugin_object, name="test-deepest-first")
+    try:
+        engine = make_engine(
+            tiny_model_dir,
+            num_blocks=24,
+            additional_config={"kvplug": "deepest_first"},
+            max_num_batched_tokens=48,
+            max_num_seqs=6,
+        )
+        queue = engine.pool.free_block_queue
+        assert isinstance(queue.policy, DeepestFirst)
+        busy_workload(engine)
+        pool = engine.pool
+        candidates = [
+            queue.stats(b) for b in range(len(pool.blocks)) if queue.stats(b) in queue.policy
+        ]
+        assert candidates and max(c.depth for c in candidates) > 0
+        assert queue.policy.peek().depth == max(c.depth for c in candidates)
+        assert pool.get_num_free_blocks() == 23
+    finally:
+        registry.unregister(plugin_object)

@@ -9,8 +9,8 @@ policy names the cached free block that leaves instead. Blocks vLLM put elsewher
 evict-first, unpinned last-resort blocks) keep vLLM's order.
 
 Statistics live in a side table indexed by block id (vLLM's blocks are slotted): one
-:class:`BlockStats` per cached lifetime of a block, created when vLLM caches it, a hit counted
-when a request reuses it (``BlockPool.touch``), its recency set when it is freed.
+:class:`BlockStats` per block, renewed whenever the block holds new content (vLLM caches it), a
+hit counted when a request reuses it (``BlockPool.touch``), its recency set when it is freed.
 
 Chains: vLLM finds a prefix by walking block hashes from the first block, so evicting a block
 whose successor is still cached orphans the successor (cached, unreachable). For full-attention
@@ -96,7 +96,7 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         return self._policy
 
     def stats(self, block_id: int) -> BlockStats | None:
-        """The statistics of a block's current cached lifetime (``None`` if never cached)."""
+        """The statistics of a block's cached content (``None`` if it was never cached)."""
         return self._stats[block_id]
 
     def _stat(self, block_id: int) -> BlockStats:

@@ -189,32 +189,63 @@ class BlockHashCache(BuiltFromContext):
         return int.from_bytes(digest[:8], "big")
 
     # ----------------------------------------------------------------------------- queries
-    def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
-        """Longest cached run of full blocks of ``key``; updates recency and hit counts."""
+    def match_prefix(
+        self, key: CacheKey | Sequence[int], *, record_hit: bool = True, gather: bool = True
+    ) -> MatchResult:
+        """Longest cached run of full blocks of ``key``; updates recency and hit counts.
+
+        ``record_hit=False`` is a probe: no statistic, hit count, clock or recency changes.
+        ``gather=False`` returns an empty ``device_indices`` (length and handle still right).
+        """
         key = as_cache_key(key)
         ids = as_token_ids(key.token_ids)
-        num_blocks = len(ids) // self.page_size
-        self.stats.match_queries += 1
-        self.stats.match_query_tokens += len(ids)
-        self._clock += 1
-        now = self._clock
-        matched: list[Block] = []
-        blocks = self._blocks
-        for digest in self._block_digests(ids, key.extra_key, num_blocks):
-            block = blocks.get(digest)
-            if block is None:
-                break
-            block.last_access_time = now
-            block.hit_count += 1
-            self.policy.touch(block)
-            matched.append(block)
+        matched = self._match_blocks(ids, key.extra_key)
+        if record_hit:
+            self.stats.match_queries += 1
+            self.stats.match_query_tokens += len(ids)
+            self._stamp(matched, hit=True)
         prefix_len = len(matched) * self.page_size
-        self.stats.hit_tokens += prefix_len
+        if record_hit:
+            self.stats.hit_tokens += prefix_len
         return MatchResult(
-            device_indices=self._gather(matched),
+            device_indices=self._gather(matched) if gather else self._empty,
             last_node=matched[-1] if matched else self.root,
             prefix_len=prefix_len,
         )
+
+    def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
+        """Refresh the recency of ``key``'s cached blocks; no hit, no query counted."""
+        key = as_cache_key(key)
+        self._stamp(self._match_blocks(as_token_ids(key.token_ids), key.extra_key), hit=False)
+
+    def path_indices(self, node: Any) -> torch.Tensor:
+        """The slots of the blocks from the first one to ``node`` (int64, on device)."""
+        block = self._check_handle(node)
+        chain = []
+        while block is not self.root:
+            chain.append(block)
+            block = block.parent  # type: ignore[assignment]
+        chain.reverse()
+        return self._gather(chain)
+
+    def _match_blocks(self, ids: tuple[int, ...], extra_key: str | None) -> list[Block]:
+        matched: list[Block] = []
+        blocks = self._blocks
+        for digest in self._block_digests(ids, extra_key, len(ids) // self.page_size):
+            block = blocks.get(digest)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    def _stamp(self, matched: list[Block], *, hit: bool) -> None:
+        self._clock += 1
+        now = self._clock
+        for block in matched:
+            block.last_access_time = now
+            if hit:
+                block.hit_count += 1
+            self.policy.touch(block)
 
     def _gather(self, blocks: list[Block]) -> torch.Tensor:
         if not blocks:
@@ -222,11 +253,20 @@ class BlockHashCache(BuiltFromContext):
         return torch.cat([b.indices for b in blocks])
 
     # ----------------------------------------------------------------------------- insert
-    def insert(self, key: CacheKey | Sequence[int], indices: Any, *, priority: int = 0) -> int:
+    def insert(
+        self,
+        key: CacheKey | Sequence[int],
+        indices: Any,
+        *,
+        priority: int = 0,
+        hits_after: int | None = None,
+    ) -> int:
         """Cache the full blocks of ``key`` with slots ``indices``; return the length cached before.
 
         The cache takes ownership of ``indices[:aligned_len]`` (``aligned_len`` = ``len(key)``
         rounded down to ``page_size``): slots duplicating already-cached blocks are freed here.
+        ``hits_after=n`` counts hits at insert (for engines that probe with
+        ``record_hit=False``): each block of the path ending past token ``n`` gets one hit.
         """
         key = as_cache_key(key)
         ids = as_token_ids(key.token_ids)
@@ -253,9 +293,11 @@ class BlockHashCache(BuiltFromContext):
             block.last_access_time = now
             if priority > block.priority:
                 block.priority = priority
+            num_cached += 1
+            if hits_after is not None and num_cached * page > hits_after:
+                block.hit_count += 1
             policy.touch(block)
             parent = block
-            num_cached += 1
         cached_len = num_cached * page
 
         if num_cached:
@@ -275,6 +317,8 @@ class BlockHashCache(BuiltFromContext):
         new_digests = [new_digest, *digests]
         for i, digest in enumerate(new_digests):
             block = Block(now, self._as_int(digest), digest, parent, new_slots[i], page, priority)
+            if hits_after is not None and (num_cached + i + 1) * page > hits_after:
+                block.hit_count = 1
             blocks[digest] = block
             parent.num_children += 1
             parent = block

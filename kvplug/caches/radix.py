@@ -194,11 +194,13 @@ class RadixCache(BuiltFromContext):
         end: int,
         extra_key: str | None,
         *,
-        hit: bool,
+        hit_from: int | None,
         priority: int | None,
+        stamp: bool = True,
     ) -> tuple[RadixNode, int, list[torch.Tensor]]:
-        """Descend along ``ids[:end]``, stamping every matched node; split where the match ends
-        inside a node. Returns the last matched node, the matched length and the slot tensors."""
+        """Descend along ``ids[:end]``, stamping every matched node (unless ``stamp`` is false);
+        split where the match ends inside a node. A node ending past ``hit_from`` gets one hit
+        (``None``: no hits). Returns the last matched node, the matched length and the slots."""
         now = self._clock
         policy = self.policy
         node, pos, values = self.root, 0, []
@@ -211,42 +213,82 @@ class RadixCache(BuiltFromContext):
             length = common_len(child.key, ids, pos, end, self.page_size)
             if length < child.num_tokens:
                 child = self._split(child, length)
-            child.last_access_time = now
-            if hit:
-                child.hit_count += 1
-            if priority is not None and priority > child.priority:
-                child.priority = priority
-            policy.touch(child)
+            if stamp:
+                child.last_access_time = now
+                if hit_from is not None and pos + length > hit_from:
+                    child.hit_count += 1
+                if priority is not None and priority > child.priority:
+                    child.priority = priority
+                policy.touch(child)
             values.append(child.value)
             node, pos = child, pos + length
         return node, pos, values
 
-    def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
+    def match_prefix(
+        self, key: CacheKey | Sequence[int], *, record_hit: bool = True, gather: bool = True
+    ) -> MatchResult:
         """The longest cached prefix of ``key`` (in whole pages) and the node it ends at.
 
         Every matched node gets the current logical time and one more hit, then the policy is
         told (``touch``). ``device_indices`` is a fresh int64 tensor on the allocator's device.
+
+        ``record_hit=False`` is a probe (an engine ranking its waiting queue): it changes no
+        statistic, hit count, clock or recency. ``gather=False`` skips building the index tensor
+        (``device_indices`` is empty; ``prefix_len`` and ``last_node`` are still right).
         """
+        key = as_cache_key(key)
+        ids = as_token_ids(key.token_ids)
+        end = len(ids) - len(ids) % self.page_size
+        if record_hit:
+            self._clock += 1
+        node, pos, values = self._walk(
+            ids, end, key.extra_key, hit_from=0, priority=None, stamp=record_hit
+        )
+        if record_hit:
+            stats = self.stats
+            stats.match_queries += 1
+            stats.match_query_tokens += len(ids)
+            stats.hit_tokens += pos
+        indices = torch.cat(values) if gather and values else self._empty
+        return MatchResult(device_indices=indices, last_node=node, prefix_len=pos)
+
+    def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
+        """Refresh the recency of ``key``'s cached path without counting a hit or a query
+        (SGLang's ``touch_prefix`` for requests that keep waiting)."""
         key = as_cache_key(key)
         ids = as_token_ids(key.token_ids)
         self._clock += 1
         end = len(ids) - len(ids) % self.page_size
-        node, pos, values = self._walk(ids, end, key.extra_key, hit=True, priority=None)
-        stats = self.stats
-        stats.match_queries += 1
-        stats.match_query_tokens += len(ids)
-        stats.hit_tokens += pos
-        indices = torch.cat(values) if values else self._empty
-        return MatchResult(device_indices=indices, last_node=node, prefix_len=pos)
+        self._walk(ids, end, key.extra_key, hit_from=None, priority=None)
+
+    def path_indices(self, node: RadixNode) -> torch.Tensor:
+        """The slots from the root to ``node`` (int64, on device), root side first."""
+        self._check_handle(node)
+        values = []
+        while node is not self.root:
+            values.append(node.value)
+            node = node.parent  # type: ignore[assignment]
+        if not values:
+            return self._empty
+        values.reverse()
+        return torch.cat(values) if len(values) > 1 else values[0].clone()
 
     def insert(
-        self, key: CacheKey | Sequence[int], indices: torch.Tensor, *, priority: int = 0
+        self,
+        key: CacheKey | Sequence[int],
+        indices: torch.Tensor,
+        *,
+        priority: int = 0,
+        hits_after: int | None = None,
     ) -> int:
         """Cache ``key[:aligned]`` with slots ``indices[:aligned]``; return the length already
         cached. See the class docstring for who owns which slots afterwards.
 
         ``priority`` (for the ``priority`` policy) is raised to at least ``priority`` on every
-        node of the path, as SGLang does.
+        node of the path, as SGLang does. ``hits_after=n`` counts the hits at insert instead of
+        at match (engines that probe with ``record_hit=False``): each node of the path ending
+        past token ``n`` gets one hit, so a request that re-inserts its growing prefix (chunked
+        prefill) with ``n`` = what it inserted before counts each node once.
         """
         key = as_cache_key(key)
         ids = as_token_ids(key.token_ids)
@@ -255,9 +297,13 @@ class RadixCache(BuiltFromContext):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         self._clock += 1
         end = len(ids) - len(ids) % self.page_size
-        node, pos, values = self._walk(ids, end, key.extra_key, hit=False, priority=priority)
+        node, pos, values = self._walk(
+            ids, end, key.extra_key, hit_from=hits_after, priority=priority
+        )
         if pos < end:
             leaf = RadixNode(self._clock, priority)
+            if hits_after is not None and end > hits_after:
+                leaf.hit_count = 1
             leaf.parent, leaf.edge = (
                 node,
                 child_key(ids, pos, self.page_size, node is self.root, key.extra_key),

@@ -121,27 +121,41 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if n == 0:
             return []
         assert self.num_free_blocks >= n
-        parent_of = self._parent
         head, tracked, policy, blocks = (
             self.fake_free_list_head,
             self._tracked,
             self._policy,
             self._blocks,
         )
+        parent_of, parent_gen, gen, num_children = (
+            self._parent,
+            self._parent_gen,
+            self._gen,
+            self._num_children,
+        )
         taken = []
         for _ in range(n):
             victim = head.next_free_block
-            assert victim is not None
             if tracked[victim.block_id]:
                 stats = policy.pop()
                 if stats is not None:
                     victim = blocks[stats.block_id]  # type: ignore[attr-defined]
                 tracked[victim.block_id] = 0
-            FreeKVCacheBlockQueue.remove(self, victim)
+            # unlink from vLLM's list (what its remove() does, without the call)
+            before, after = victim.prev_free_block, victim.next_free_block
+            before.next_free_block = after
+            after.prev_free_block = before
+            victim.prev_free_block = victim.next_free_block = None
             # vLLM evicts every taken block's hash right after: its parent is a leaf already.
-            if parent_of[victim.block_id] >= 0:
-                self._unlink(victim.block_id)
+            parent_id = parent_of[victim.block_id]
+            if parent_id >= 0:
+                parent_of[victim.block_id] = -1
+                if parent_gen[victim.block_id] == gen[parent_id]:
+                    num_children[parent_id] -= 1
+                    if not num_children[parent_id] and tracked[parent_id]:
+                        policy.add(self._stat(parent_id))
             taken.append(victim)
+        self.num_free_blocks -= n
         return taken
 
     def remove(self, block: KVCacheBlock) -> None:

@@ -1,0 +1,162 @@
+"""The tiny model over kvplug pools gives exactly what a dense recompute without any cache gives.
+
+Every case generates greedily for prompts that share prefixes, through real caches, allocators
+and policies, with capacities small enough that prefixes are evicted and re-matched; tokens must
+be identical and logits within 1e-5 of ``reference_generate`` (no pool, no cache, no slots).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import kvplug
+from kvplug.engine.models import TinyConfig, TinyModel, reference_generate, reference_logits
+
+from .driver import generate
+
+MAX_NEW = 5
+ATOL = 1e-5
+
+
+def prompts(seed: int = 0, n: int = 8) -> list[list[int]]:
+    """Three shared system prompts (24 tokens) + a unique suffix of 3..12 tokens each."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(128) for _ in range(24)] for _ in range(3)]
+    return [
+        systems[i % 3] + [rng.randrange(128) for _ in range(rng.randrange(3, 13))] for i in range(n)
+    ]
+
+
+def stack_config(
+    allocator: str = "standard",
+    cache: str = "radix",
+    policy: str = "lru",
+    *,
+    capacity: int = 128,
+    page_size: int = 1,
+    num_layers: int = 2,
+    allocator_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "allocator": {"name": allocator, "options": allocator_options or {}},
+        "prefix_cache": cache,
+        "eviction_policy": policy,
+        "pool": {
+            "capacity_tokens": capacity,
+            "page_size": page_size,
+            "num_layers": num_layers,
+            "kv_heads": 2,
+            "head_dim": 16,
+            "dtype": "float32",
+            "device": "cpu",
+        },
+    }
+
+
+@functools.cache
+def _reference(config: TinyConfig, seed: int) -> tuple[tuple[tuple[int, ...], ...], Any]:
+    model = TinyModel(config)
+    runs = [reference_generate(model, p, MAX_NEW) for p in prompts(seed)]
+    return tuple(tuple(t) for t, _ in runs), [logits for _, logits in runs]
+
+
+def check_against_reference(
+    stack: kvplug.KVCacheStack, model: TinyModel, outputs: list[list[int]], seed: int = 0
+) -> None:
+    ref_tokens, ref_logits = _reference(model.config, seed)
+    for r, p in enumerate(prompts(seed)):
+        assert tuple(outputs[r]) == ref_tokens[r], f"request {r}"
+        for j in range(MAX_NEW):
+            got = model.logits[(r, len(p) - 1 + j)]
+            torch.testing.assert_close(got, ref_logits[r][j], atol=ATOL, rtol=0)
+
+
+def run(config: dict[str, Any], *, chunk: int | None = None, batch: int = 2, seed: int = 0):
+    stack = kvplug.build(config)
+    model = TinyModel(TinyConfig.for_stack(stack), record_logits=True)
+    outputs = generate(stack, model, prompts(seed), MAX_NEW, batch=batch, chunk=chunk)
+    check_against_reference(stack, model, outputs, seed)
+    return stack, model
+
+
+CACHES = {
+    "radix-page1": stack_config("standard", "radix"),
+    "radix-page16": stack_config("paged", "radix", capacity=112, page_size=16),
+    "block_hash-page4": stack_config("paged", "block_hash", capacity=128, page_size=4),
+    "block_hash-page16": stack_config("paged", "block_hash", capacity=112, page_size=16),
+    "chunk": stack_config("standard", "chunk"),
+    "swa_radix": stack_config(
+        "swa",
+        "swa_radix",
+        capacity=160,
+        num_layers=4,
+        allocator_options={"swa_capacity_tokens": 96, "sliding_window_size": 6},
+    ),
+}
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("name", list(CACHES))
+def test_cached_generation_equals_recompute(name: str, chunk: int | None) -> None:
+    stack, _ = run(CACHES[name], chunk=chunk)
+    stats = stack.prefix_cache.stats
+    if name == "chunk":
+        assert stats.hit_tokens == 0
+    else:
+        assert stats.hit_tokens >= 16  # shared system prompts were served from the pool
+        assert stats.evicted_tokens > 0  # the small capacity forced evictions
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"])
+def test_every_policy_equals_recompute(policy: str) -> None:
+    stack, _ = run(stack_config("standard", "radix", policy, capacity=112))
+    assert stack.prefix_cache.stats.evicted_tokens > 0
+
+
+def test_swa_window_eviction_on_the_real_path() -> None:
+    """Window-side eviction (tombstones) happens and outputs still equal the windowed recompute."""
+    config = stack_config(
+        "swa",
+        "swa_radix",
+        capacity=256,
+        num_layers=4,
+        allocator_options={"swa_capacity_tokens": 80, "sliding_window_size": 5},
+    )
+    stack, model = run(config)
+    stats = stack.prefix_cache.stats
+    assert stats.swa_evicted_tokens > 0
+    assert model.config.swa_layer_ids == (0, 2)
+
+
+def test_window_mask_matters() -> None:
+    """The windowed reference differs from full attention, so SWA equality is not vacuous."""
+    full = TinyModel(TinyConfig(num_layers=4))
+    windowed = TinyModel(TinyConfig(num_layers=4, sliding_window_size=5, swa_layer_ids=(0, 2)))
+    tokens = prompts()[0]
+    diff = (reference_logits(full, tokens) - reference_logits(windowed, tokens)).abs()
+    assert float(diff[:5].max()) < ATOL  # inside the first window both masks agree
+    assert float(diff[5:].max()) > 1e-2
+
+
+def test_a_wrong_slot_in_a_match_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One corrupted index in a match changes the output: the equality tests can see it."""
+    stack = kvplug.build(CACHES["radix-page1"])
+    cache = stack.prefix_cache
+    real_match = cache.match_prefix
+
+    def corrupted(key: Any, **kw: Any) -> Any:
+        match = real_match(key, **kw)
+        if match.prefix_len > 3:
+            match.device_indices[3] = match.device_indices[2]  # one wrong slot
+        return match
+
+    monkeypatch.setattr(cache, "match_prefix", corrupted)
+    model = TinyModel(TinyConfig.for_stack(stack), record_logits=True)
+    outputs = generate(stack, model, prompts(), MAX_NEW)
+    with pytest.raises(AssertionError):
+        check_against_reference(stack, model, outputs)

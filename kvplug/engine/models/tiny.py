@@ -144,6 +144,18 @@ class TinyModel:
         self.final_norm = norm(c.hidden_size)
         self.lm_head = weight(c.hidden_size, c.vocab_size)
 
+    @classmethod
+    def for_stack(cls, stack: Any, *, record_logits: bool = False, **config: Any) -> TinyModel:
+        """A model on the pool's device whose geometry fits it (``TinyConfig.for_stack``).
+
+        Float32 weights; a float16/bfloat16 pool rounds the K/V it stores, as a real engine's does.
+        """
+        return cls(
+            TinyConfig.for_stack(stack, **config),
+            device=stack.pool.device,
+            record_logits=record_logits,
+        )
+
     def is_window_layer(self, layer: int) -> bool:
         return layer in self.config.swa_layer_ids
 

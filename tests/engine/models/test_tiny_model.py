@@ -17,7 +17,7 @@ import torch
 import kvplug
 from kvplug.engine.models import TinyConfig, TinyModel, reference_generate, reference_logits
 
-from .driver import generate
+from .driver import Item, generate
 
 MAX_NEW = 5
 ATOL = 1e-5
@@ -160,3 +160,39 @@ def test_a_wrong_slot_in_a_match_is_seen(monkeypatch: pytest.MonkeyPatch) -> Non
     outputs = generate(stack, model, prompts(), MAX_NEW)
     with pytest.raises(AssertionError):
         check_against_reference(stack, model, outputs)
+
+
+def test_a_pool_of_another_geometry_is_refused() -> None:
+    stack = kvplug.build(stack_config())
+    model = TinyModel(TinyConfig(num_layers=3))
+    with pytest.raises(ValueError, match=r"does not match the model's \(3, 2, 16, \(\)\)"):
+        generate(stack, model, prompts(n=1), 1)
+
+
+def test_a_window_position_without_a_window_slot_is_an_error() -> None:
+    """Freeing a window slot the model still needs is caught, not read as padding."""
+    config = CACHES["swa_radix"]
+    stack = kvplug.build(config)
+    model = TinyModel.for_stack(stack)
+    allocator = stack.allocator
+    slots = allocator.alloc(10)
+    item = Item(0, list(range(10)), 0, slots, True)
+    model.forward(stack, [item])
+    allocator.free_swa(slots[8:9])  # position 8 is inside the window of position 10
+    grown = torch.cat([slots, allocator.alloc(1)])
+    with pytest.raises(RuntimeError, match="position 8 is inside the attention window"):
+        model.forward(stack, [Item(0, [5], 10, grown, True)])
+
+
+def test_a_bfloat16_pool_equals_a_recompute_rounded_alike() -> None:
+    config = stack_config()
+    config["pool"]["dtype"] = "bfloat16"
+    stack = kvplug.build(config)
+    model = TinyModel.for_stack(stack, record_logits=True)
+    outputs = generate(stack, model, prompts(n=4), MAX_NEW)
+    for r, p in enumerate(prompts(n=4)):
+        tokens, logits = reference_generate(model, p, MAX_NEW, kv_dtype=torch.bfloat16)
+        assert outputs[r] == tokens
+        for j in range(MAX_NEW):
+            got = model.logits[(r, len(p) - 1 + j)]
+            torch.testing.assert_close(got, logits[j], atol=ATOL, rtol=0)

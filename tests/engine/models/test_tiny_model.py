@@ -16,8 +16,7 @@ import torch
 
 import kvplug
 from kvplug.engine.models import TinyConfig, TinyModel, reference_generate, reference_logits
-
-from .driver import Item, generate
+from kvplug.engine.models.serving import Item, serve
 
 MAX_NEW = 5
 ATOL = 1e-5
@@ -79,7 +78,7 @@ def check_against_reference(
 def run(config: dict[str, Any], *, chunk: int | None = None, batch: int = 2, seed: int = 0):
     stack = kvplug.build(config)
     model = TinyModel(TinyConfig.for_stack(stack), record_logits=True)
-    outputs = generate(stack, model, prompts(seed), MAX_NEW, batch=batch, chunk=chunk)
+    outputs = serve(stack, model, prompts(seed), MAX_NEW, batch=batch, chunk_size=chunk).outputs
     check_against_reference(stack, model, outputs, seed)
     return stack, model
 
@@ -157,7 +156,7 @@ def test_a_wrong_slot_in_a_match_is_seen(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(cache, "match_prefix", corrupted)
     model = TinyModel(TinyConfig.for_stack(stack), record_logits=True)
-    outputs = generate(stack, model, prompts(), MAX_NEW)
+    outputs = serve(stack, model, prompts(), MAX_NEW).outputs
     with pytest.raises(AssertionError):
         check_against_reference(stack, model, outputs)
 
@@ -166,7 +165,7 @@ def test_a_pool_of_another_geometry_is_refused() -> None:
     stack = kvplug.build(stack_config())
     model = TinyModel(TinyConfig(num_layers=3))
     with pytest.raises(ValueError, match=r"does not match the model's \(3, 2, 16, \(\)\)"):
-        generate(stack, model, prompts(n=1), 1)
+        serve(stack, model, prompts(n=1), 1)
 
 
 def test_a_window_position_without_a_window_slot_is_an_error() -> None:
@@ -189,7 +188,7 @@ def test_a_bfloat16_pool_equals_a_recompute_rounded_alike() -> None:
     config["pool"]["dtype"] = "bfloat16"
     stack = kvplug.build(config)
     model = TinyModel.for_stack(stack, record_logits=True)
-    outputs = generate(stack, model, prompts(n=4), MAX_NEW)
+    outputs = serve(stack, model, prompts(n=4), MAX_NEW).outputs
     for r, p in enumerate(prompts(n=4)):
         tokens, logits = reference_generate(model, p, MAX_NEW, kv_dtype=torch.bfloat16)
         assert outputs[r] == tokens

@@ -40,6 +40,7 @@ class ServeResult:
     """Generated tokens per prompt and what the cache saved."""
 
     outputs: list[list[int]]
+    cached: list[int] = field(default_factory=list)  # prompt tokens each request found cached
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     seconds: float = 0.0
@@ -68,7 +69,7 @@ def serve(
     cache = stack.prefix_cache
     allocator: Any = stack.allocator  # alloc_extend/alloc_decode: every built-in allocator
     ps, dev = allocator.page_size, allocator.device
-    result = ServeResult(outputs=[[] for _ in prompts])
+    result = ServeResult(outputs=[[] for _ in prompts], cached=[0] * len(prompts))
     outputs = result.outputs
     began = time.perf_counter()
     for first in range(0, len(prompts), batch):
@@ -94,6 +95,7 @@ def serve(
             slots[r] = torch.cat([m.device_indices.to(dev), new])
             result.prompt_tokens += len(p)
             result.cached_prompt_tokens += m.prefix_len
+            result.cached[r] = m.prefix_len
         while any(done[r] < len(prompts[r]) for r in rids):
             items = []
             for r in rids:

@@ -8,7 +8,6 @@ be identical and logits within 1e-5 of ``reference_generate`` (no pool, no cache
 from __future__ import annotations
 
 import functools
-import random
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 import kvplug
 from kvplug.engine.models import TinyConfig, TinyModel, reference_generate, reference_logits
+from kvplug.engine.models.prompts import shared_prefix_prompts
 from kvplug.engine.models.serving import Item, serve
 
 MAX_NEW = 5
@@ -24,11 +24,7 @@ ATOL = 1e-5
 
 def prompts(seed: int = 0, n: int = 8) -> list[list[int]]:
     """Three shared system prompts (24 tokens) + a unique suffix of 3..12 tokens each."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(128) for _ in range(24)] for _ in range(3)]
-    return [
-        systems[i % 3] + [rng.randrange(128) for _ in range(rng.randrange(3, 13))] for i in range(n)
-    ]
+    return shared_prefix_prompts(n, num_prefixes=3, prefix_len=24, suffix_len=(3, 12), seed=seed)
 
 
 def stack_config(

@@ -98,6 +98,7 @@ class MHAKVPool:
         page_size: int = 1,
         dtype: str | torch.dtype = "float16",
         device: str | torch.device = "auto",
+        store_kv: bool = True,
     ) -> None:
         self.capacity_tokens = _check_count(capacity_tokens, "capacity_tokens", 1)
         self.page_size = _check_count(page_size, "page_size", 1)
@@ -113,8 +114,9 @@ class MHAKVPool:
         self.device = resolve_device(device)
         self.num_rows = capacity_tokens + page_size
         store_dtype = torch.uint8 if self.dtype in _FP8 else self.dtype
+        self.store_kv = bool(store_kv)
         self._kv = torch.zeros(
-            (2, num_layers, self.num_rows, kv_heads, head_dim),
+            (2, num_layers, self.num_rows if self.store_kv else 0, kv_heads, head_dim),
             dtype=store_dtype,
             device=self.device,
         )
@@ -130,6 +132,7 @@ class MHAKVPool:
             page_size=geometry.page_size,
             dtype=geometry.dtype,
             device=geometry.device,
+            store_kv=geometry.store_kv,
         )
 
     def _layer(self, layer: int) -> int:
@@ -138,6 +141,10 @@ class MHAKVPool:
         if not 0 <= layer < self.num_layers:
             raise ValueError(
                 f"layer {layer} out of range: this pool has {self.num_layers} layer(s)"
+            )
+        if not self.store_kv:
+            raise RuntimeError(
+                "this pool keeps no K/V (store_kv=False: slot bookkeeping only, for simulation)"
             )
         return layer
 
@@ -225,6 +232,7 @@ class HybridSWAKVPool:
         page_size: int = 1,
         dtype: str | torch.dtype = "float16",
         device: str | torch.device = "auto",
+        store_kv: bool = True,
     ) -> None:
         full_ids, swa_ids = tuple(full_layer_ids), tuple(swa_layer_ids)
         all_ids = sorted(full_ids + swa_ids)
@@ -246,6 +254,7 @@ class HybridSWAKVPool:
             "page_size": page_size,
             "dtype": dtype,
             "device": device,
+            "store_kv": store_kv,
         }
         self.full = MHAKVPool(capacity_tokens, num_layers=len(full_ids), **kw)
         self.swa = MHAKVPool(swa_capacity_tokens, num_layers=len(swa_ids), **kw)

@@ -76,6 +76,8 @@ class PoolGeometry(FrozenModel):
 
     ``capacity_tokens`` counts usable slots; pools add one reserved padding page on top, as
     SGLang does. ``device="auto"`` means CUDA when torch sees one, else the CPU.
+    ``store_kv=False`` keeps the slot bookkeeping but allocates no K/V buffers (a simulator's
+    pool: a 3M-token capacity then costs no memory).
     """
 
     capacity_tokens: PositiveInt = 65536
@@ -85,6 +87,7 @@ class PoolGeometry(FrozenModel):
     head_dim: PositiveInt = 64
     dtype: Literal[TORCH_DTYPES] = "float16"  # type: ignore[valid-type]
     device: str = "auto"
+    store_kv: bool = True
 
     @field_validator("device")
     @classmethod

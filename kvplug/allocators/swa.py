@@ -158,6 +158,7 @@ class SWAAllocator(BaseAllocator):
             page_size=geometry.page_size,
             dtype=geometry.dtype,
             device=geometry.device,
+            store_kv=geometry.store_kv,
         )
         return cls(
             geometry.capacity_tokens,

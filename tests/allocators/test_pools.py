@@ -6,6 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+import kvplug
 from kvplug.pools import HybridSWAKVPool, MHAKVPool, resolve_device, resolve_dtype
 from kvplug_hookspecs import PoolGeometry
 
@@ -288,3 +289,32 @@ def test_hybrid_pool_allows_all_window_layers():
     )
     assert pool.full.num_layers == 0 and pool.swa.num_layers == 2
     assert pool.full.mem_bytes() == 0
+
+
+def test_a_pool_without_kv_keeps_slots_but_no_memory():
+    stack = kvplug.build(
+        {"pool": {"capacity_tokens": 3_000_000, "store_kv": False, "device": "cpu"}}
+    )
+    assert stack.pool.mem_bytes() == 0
+    assert stack.allocator.available_size() == 3_000_000
+    assert stack.allocator.alloc(5).tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(RuntimeError, match="keeps no K/V"):
+        stack.pool.get_k(0)
+
+
+def test_a_hybrid_pool_without_kv_holds_no_memory_on_either_side():
+    stack = kvplug.build(
+        {
+            "allocator": {
+                "name": "swa",
+                "options": {"swa_capacity_tokens": 64, "sliding_window_size": 8},
+            },
+            "prefix_cache": "swa_radix",
+            "pool": {"capacity_tokens": 256, "num_layers": 2, "store_kv": False, "device": "cpu"},
+        }
+    )
+    assert stack.pool.mem_bytes() == 0
+    assert (stack.allocator.full_available_size(), stack.allocator.swa_available_size()) == (
+        256,
+        64,
+    )

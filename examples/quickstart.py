@@ -1,7 +1,8 @@
 """Quick start: build a kvplug stack from a config and serve shared-prefix requests on it.
 
-Runs on the CPU in a second. It shows the engine-side calls (match, lock, evict exactly the
-shortfall, alloc, write KV, insert, unlock) and prints what the cache kept and evicted::
+Runs on the CPU in a second. Each request goes through ``kvplug.engine.serve_request``
+(match, lock, evict exactly the shortfall, alloc, write KV, insert, unlock) and prints what
+the cache kept and evicted::
 
     python examples/quickstart.py [CONFIG]      # default: a small radix + LRU stack on cpu
     python examples/quickstart.py examples/configs/paged_block_hash.toml
@@ -19,6 +20,7 @@ import torch
 
 import kvplug
 from kvplug import CacheKey
+from kvplug.engine import serve_request
 
 DEFAULT = {
     "allocator": "standard",
@@ -36,28 +38,17 @@ DEFAULT = {
 
 def serve(stack: kvplug.KVCacheStack, tokens: list[int]) -> tuple[int, int]:
     """Prefill one request and cache it; returns (cached prefix length, tokens evicted)."""
-    cache, allocator, page = stack.prefix_cache, stack.allocator, stack.allocator.page_size
-    match = cache.match_prefix(CacheKey(tokens))
-    cache.inc_lock_ref(match.last_node)
-    need = len(tokens) - match.prefix_len
-    padded = -(-need // page) * page  # allocators hand out whole pages
-    freed = stack.evict_for(padded)  # exactly the shortfall, or nothing
-    new = allocator.alloc(padded)
-    if new is None:  # too little evictable: a real engine would preempt
-        cache.dec_lock_ref(match.last_node)
-        raise RuntimeError("out of KV memory")
     geometry = stack.config.pool
-    kv = torch.randn(need, geometry.kv_heads, geometry.head_dim).to(stack.pool.dtype)
-    full_layers = getattr(stack.pool, "full_layer_ids", range(geometry.num_layers))
-    for layer in full_layers:  # window layers would write at translate_loc_from_full_to_swa(...)
-        stack.pool.set_kv(layer, new[:need], kv, kv)
-    slots = torch.cat([match.device_indices, new])
-    cache.insert(CacheKey(tokens), slots[: len(tokens)])
-    aligned = len(tokens) // page * page
-    if aligned < len(slots):  # the partial last page stays ours: this request is done with it
-        allocator.free(slots[aligned:])
-    cache.dec_lock_ref(match.last_node)
-    return match.prefix_len, freed.num_tokens if freed else 0
+
+    def write_kv(new_slots: torch.Tensor, start: int) -> None:
+        n = len(tokens) - start
+        kv = torch.randn(n, geometry.kv_heads, geometry.head_dim).to(stack.pool.dtype)
+        full_layers = getattr(stack.pool, "full_layer_ids", range(geometry.num_layers))
+        for layer in full_layers:  # window layers write at translate_loc_from_full_to_swa(...)
+            stack.pool.set_kv(layer, new_slots, kv, kv)
+
+    result = serve_request(stack, CacheKey(tokens), write_kv)
+    return result.prefix_len, result.evicted_tokens
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ def main() -> None:
     capacity = 1 << 14
     print(
         f"device {device}, {num_prompts} prompts ({prefix_len}-token system prompts x 4 + "
-        f"16..64 unique tokens), {new_tokens} new tokens each, batch {batch}, "
+        f"16..64 unique tokens), {new_tokens} new tokens each, at most {batch} running, "
         f"model {GEOMETRY['num_layers']} layers x {GEOMETRY['kv_heads']} kv heads x "
         f"{GEOMETRY['head_dim']}, float32"
     )
@@ -81,11 +81,11 @@ def main() -> None:
     for cache, page in rows:
         stack = kvplug.build(config(cache, str(device), capacity, page))
         model = TinyModel.for_stack(stack)
-        serve(stack, model, prompts[:batch], 2, batch=batch)  # warm up, then start cold
+        serve(stack, model, prompts[:batch], 2, max_running=batch)  # warm up, then start cold
         stack = kvplug.build(config(cache, str(device), capacity, page))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        result = serve(stack, model, prompts, new_tokens, batch=batch)
+        result = serve(stack, model, prompts, new_tokens, max_running=batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         pool_bytes = stack.pool.mem_bytes()

@@ -1,8 +1,8 @@
 """``kvplug serve-example``: generate with the tiny real-attention model on any config.
 
-The model's attention reads and writes K/V only through the config's pool, so this shows a
-config serving real forward passes: the tokens each prompt generates, how much of each prompt
-came from the cache, and the cache's counters.
+The reference scheduler serves the prompts; the model's attention reads and writes K/V only
+through the config's pool, so this shows a config serving real forward passes: the tokens each
+prompt generates, how much of each prompt came from the cache, and the cache's counters.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def serve_example(
         int, typer.Option(min=0, help="Length of the system prompts they share.")
     ] = 32,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate each.")] = 8,
-    batch: Annotated[int, typer.Option(min=1, help="Requests served together.")] = 2,
+    max_running: Annotated[
+        int, typer.Option(min=1, help="Most requests the scheduler runs at once.")
+    ] = 2,
     chunk_size: Annotated[
         int | None, typer.Option(min=1, help="Chunked prefill: prompt tokens per step.")
     ] = None,
@@ -66,7 +68,9 @@ def serve_example(
     prompts = shared_prefix_prompts(
         num_prompts, prefix_len=prefix_len, vocab_size=model.config.vocab_size, seed=seed
     )
-    result = serve(stack, model, prompts, max_new_tokens, batch=batch, chunk_size=chunk_size)
+    result = serve(
+        stack, model, prompts, max_new_tokens, max_running=max_running, chunk_size=chunk_size
+    )
     names = {
         "allocator": stack.config.allocator.name,
         "prefix_cache": stack.config.prefix_cache.name,
@@ -80,6 +84,7 @@ def serve_example(
                 for p, c, o in zip(prompts, result.cached, result.outputs)
             ],
             "prefill_saved": result.prefill_saved,
+            "preemptions": result.scheduler.preemptions,
             "pool_bytes": stack.pool.mem_bytes(),
             "cache_stats": result.cache_stats,
         }
@@ -97,6 +102,10 @@ def serve_example(
     out.print(
         f"prefill tokens served from the cache: {result.cached_prompt_tokens} of "
         f"{result.prompt_tokens} ({result.prefill_saved:.1%})",
+        highlight=False,
+    )
+    out.print(
+        f"scheduler: {result.scheduler.steps} steps, {result.scheduler.preemptions} preemptions",
         highlight=False,
     )
     for name, value in result.cache_stats.items():

@@ -8,15 +8,17 @@ be identical and logits within 1e-5 of ``reference_generate`` (no pool, no cache
 from __future__ import annotations
 
 import functools
+import random
 from typing import Any
 
 import pytest
 import torch
 
 import kvplug
+from kvplug.engine import ForwardItem
 from kvplug.engine.models import TinyConfig, TinyModel, reference_generate, reference_logits
 from kvplug.engine.models.prompts import shared_prefix_prompts
-from kvplug.engine.models.serving import Item, serve
+from kvplug.engine.models.serving import ServeResult, serve
 
 MAX_NEW = 5
 ATOL = 1e-5
@@ -54,29 +56,34 @@ def stack_config(
 
 
 @functools.cache
-def _reference(config: TinyConfig, seed: int) -> tuple[tuple[tuple[int, ...], ...], Any]:
-    model = TinyModel(config)
-    runs = [reference_generate(model, p, MAX_NEW) for p in prompts(seed)]
-    return tuple(tuple(t) for t, _ in runs), [logits for _, logits in runs]
+def _reference(config: TinyConfig, prompt: tuple[int, ...]) -> tuple[list[int], list[torch.Tensor]]:
+    return reference_generate(TinyModel(config), prompt, MAX_NEW)
 
 
 def check_against_reference(
-    stack: kvplug.KVCacheStack, model: TinyModel, outputs: list[list[int]], seed: int = 0
+    model: TinyModel, outputs: list[list[int]], served: list[list[int]] | None = None
 ) -> None:
-    ref_tokens, ref_logits = _reference(model.config, seed)
-    for r, p in enumerate(prompts(seed)):
-        assert tuple(outputs[r]) == ref_tokens[r], f"request {r}"
+    """Tokens identical and logits within ``ATOL`` of the dense recompute, for every request."""
+    for r, p in enumerate(served if served is not None else prompts()):
+        ref_tokens, ref_logits = _reference(model.config, tuple(p))
+        assert outputs[r] == ref_tokens, f"request {r}"
         for j in range(MAX_NEW):
             got = model.logits[(r, len(p) - 1 + j)]
-            torch.testing.assert_close(got, ref_logits[r][j], atol=ATOL, rtol=0)
+            torch.testing.assert_close(got, ref_logits[j], atol=ATOL, rtol=0)
 
 
-def run(config: dict[str, Any], *, chunk: int | None = None, batch: int = 2, seed: int = 0):
+def run(
+    config: dict[str, Any], *, chunk: int | None = None, max_running: int = 2, seed: int = 0
+) -> tuple[kvplug.KVCacheStack, TinyModel, ServeResult]:
+    """Serve ``prompts(seed)`` through the reference scheduler (conservation checked every step)
+    and require the recompute's tokens and logits."""
     stack = kvplug.build(config)
-    model = TinyModel(TinyConfig.for_stack(stack), record_logits=True)
-    outputs = serve(stack, model, prompts(seed), MAX_NEW, batch=batch, chunk_size=chunk).outputs
-    check_against_reference(stack, model, outputs, seed)
-    return stack, model
+    model = TinyModel.for_stack(stack, record_logits=True)
+    result = serve(
+        stack, model, prompts(seed), MAX_NEW, max_running=max_running, chunk_size=chunk, debug=True
+    )
+    check_against_reference(model, result.outputs, prompts(seed))
+    return stack, model, result
 
 
 CACHES = {
@@ -98,18 +105,39 @@ CACHES = {
 @pytest.mark.parametrize("chunk", [None, 7])
 @pytest.mark.parametrize("name", list(CACHES))
 def test_cached_generation_equals_recompute(name: str, chunk: int | None) -> None:
-    stack, _ = run(CACHES[name], chunk=chunk)
+    stack, _, _ = run(CACHES[name], chunk=chunk)
     stats = stack.prefix_cache.stats
     if name == "chunk":
         assert stats.hit_tokens == 0
+    elif name == "swa_radix":  # decoding frees the system prompts' window side: see multi-turn
+        assert stats.swa_evicted_tokens > 0
     else:
         assert stats.hit_tokens >= 16  # shared system prompts were served from the pool
         assert stats.evicted_tokens > 0  # the small capacity forced evictions
 
 
+@pytest.mark.parametrize(
+    "name, capacity",
+    [
+        ("radix-page1", 96),
+        ("radix-page16", 80),
+        ("block_hash-page4", 96),
+        ("block_hash-page16", 80),
+        ("chunk", 96),
+        ("swa_radix", 96),
+    ],
+)
+def test_preemption_and_readmission_equal_recompute(name: str, capacity: int) -> None:
+    """Eight requests at once in a pool for about three: decode runs short, the scheduler evicts
+    then preempts the newest request, which recomputes from its cached prefix when re-admitted."""
+    config = dict(CACHES[name], pool={**CACHES[name]["pool"], "capacity_tokens": capacity})
+    _, _, result = run(config, max_running=8)
+    assert result.scheduler.preemptions > 0
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"])
 def test_every_policy_equals_recompute(policy: str) -> None:
-    stack, _ = run(stack_config("standard", "radix", policy, capacity=112))
+    stack, _, _ = run(stack_config("standard", "radix", policy, capacity=112))
     assert stack.prefix_cache.stats.evicted_tokens > 0
 
 
@@ -122,10 +150,26 @@ def test_swa_window_eviction_on_the_real_path() -> None:
         num_layers=4,
         allocator_options={"swa_capacity_tokens": 80, "sliding_window_size": 5},
     )
-    stack, model = run(config)
+    stack, model, _ = run(config)
     stats = stack.prefix_cache.stats
     assert stats.swa_evicted_tokens > 0
     assert model.config.swa_layer_ids == (0, 2)
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_swa_multi_turn_reuses_the_conversation(chunk: int | None) -> None:
+    """Next turns (prompt + answer + a question) match the previous turn's window-live tail."""
+    stack = kvplug.build(CACHES["swa_radix"])
+    model = TinyModel.for_stack(stack, record_logits=True)
+    first = prompts(n=4)
+    turn1 = serve(stack, model, first, MAX_NEW, max_running=2, chunk_size=chunk, debug=True)
+    check_against_reference(model, turn1.outputs, first)
+    rng = random.Random(1)
+    second = [p + o + [rng.randrange(128) for _ in range(3)] for p, o in zip(first, turn1.outputs)]
+    turn2 = serve(stack, model, second, MAX_NEW, max_running=2, chunk_size=chunk, debug=True)
+    check_against_reference(model, turn2.outputs, second)
+    # each turn-1 sequence was cached with K/V for prompt + all but the last output token
+    assert turn2.cached == [len(p) + MAX_NEW - 1 for p in first]
 
 
 def test_window_mask_matters() -> None:
@@ -152,9 +196,9 @@ def test_a_wrong_slot_in_a_match_is_seen(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(cache, "match_prefix", corrupted)
     model = TinyModel(TinyConfig.for_stack(stack), record_logits=True)
-    outputs = serve(stack, model, prompts(), MAX_NEW).outputs
+    outputs = serve(stack, model, prompts(), MAX_NEW, max_running=2).outputs
     with pytest.raises(AssertionError):
-        check_against_reference(stack, model, outputs)
+        check_against_reference(model, outputs)
 
 
 def test_a_pool_of_another_geometry_is_refused() -> None:
@@ -171,12 +215,12 @@ def test_a_window_position_without_a_window_slot_is_an_error() -> None:
     model = TinyModel.for_stack(stack)
     allocator = stack.allocator
     slots = allocator.alloc(10)
-    item = Item(0, list(range(10)), 0, slots, True)
+    item = ForwardItem(0, list(range(10)), 0, slots, True)
     model.forward(stack, [item])
     allocator.free_swa(slots[8:9])  # position 8 is inside the window of position 10
     grown = torch.cat([slots, allocator.alloc(1)])
     with pytest.raises(RuntimeError, match="position 8 is inside the attention window"):
-        model.forward(stack, [Item(0, [5], 10, grown, True)])
+        model.forward(stack, [ForwardItem(0, [5], 10, grown, True)])
 
 
 def test_a_bfloat16_pool_equals_a_recompute_rounded_alike() -> None:

@@ -161,6 +161,7 @@ class Engine:
         policy_config: str | None = None,
         backend: str | None = "kvplug",
         chunk: int | None = None,
+        new_token_ratio: float = 0.5,
     ) -> None:
         from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.mem_cache.registry import create_tree_cache
@@ -176,6 +177,7 @@ class Engine:
         self.page_size = page_size
         self.capacity = capacity
         self.chunk = chunk
+        self.new_token_ratio = new_token_ratio  # SGLang's admission estimate of future decode
         self.allocator = ctx.params.token_to_kv_pool_allocator
         self.req_pool = ctx.params.req_to_token_pool
         self.tree = create_tree_cache(ctx)
@@ -222,7 +224,7 @@ class Engine:
             self.tree,
             self.allocator,
             self.running,
-            0.5,
+            self.new_token_ratio,
             4096,
             self.chunk,
         )
@@ -295,10 +297,7 @@ class Engine:
         if running.is_empty():
             return
         if not running.check_decode_mem():
-            retracted, _, _ = running.retract_decode()
-            for req in retracted:
-                self.retracted.append(req)
-                self.waiting.insert(0, req)
+            self.retract()
             if running.is_empty():
                 return
         running.prepare_for_decode()
@@ -309,6 +308,15 @@ class Engine:
                 release_kv_cache(req, self.tree, checkpoint=True)
                 self.finished.append(req)
         running.filter_batch()
+
+    def retract(self) -> list[Any]:
+        """SGLang's ``retract_decode``: free the retracted rows and requeue the requests."""
+        retracted, _, aborted = self.running.retract_decode()
+        assert not aborted
+        for req in retracted:
+            self.retracted.append(req)
+            self.waiting.insert(0, req)
+        return list(retracted)
 
     def run(self, max_steps: int = 200, check: bool = True) -> None:
         """Prefill and decode until every request finished, checking the invariant each step."""

@@ -405,10 +405,15 @@ class Scheduler:
 
     def _free_out_of_window(self, request: Request) -> None:
         """Free the window slots of the request's own positions no future token attends to
-        (SGLang frees them as decoding moves on); the full slots stay for the cache."""
+        (SGLang frees them as decoding moves on); the full slots stay for the cache.
+
+        As SGLang does for prefix-sharing caches, keep ``max(window, page)`` rounded up to whole
+        pages live: the key inserted at finish ends at a page boundary, below ``computed``, and
+        must still end with a full window of live tokens or no later request can match it."""
         assert request.slots is not None
         ps = self.page_size
-        limit = (request.computed - self.allocator.sliding_window_size) // ps * ps
+        keep = -(-max(self.allocator.sliding_window_size, ps) // ps) * ps
+        limit = (request.computed - keep) // ps * ps
         if limit > request.swa_freed:
             t0 = time.perf_counter()
             self.allocator.free_swa(request.slots[request.swa_freed : limit])

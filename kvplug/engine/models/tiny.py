@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -113,8 +114,7 @@ class TinyModel:
         self.dtype = dtype
         self.record_logits = record_logits
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
-        self.tokens_computed = 0
-        self.forward_calls = 0
+        self.tokens_computed = 0  # tokens whose K/V this model computed (cache hits are not)
         gen = torch.Generator().manual_seed(config.seed)
         c = config
 
@@ -196,7 +196,9 @@ class TinyModel:
             window_keys = key_view(layout, c.sliding_window_size, translate)
             window_new = translate(layout.new_slots)
         tokens = torch.tensor(
-            [t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device
+            list(chain.from_iterable(it.token_ids for it in items)),
+            dtype=torch.int64,
+            device=self.device,
         )
         cos, sin = rotary_cos_sin(layout.positions, c.head_dim, c.rope_theta)
         n = tokens.numel()
@@ -212,7 +214,6 @@ class TinyModel:
             x = x + attend(q, k_buf, v_buf, layout, window_keys if window else full_keys) @ w.wo
             x = x + gated_mlp(rms_norm(x, w.mlp_norm), w.w_gate, w.w_up, w.w_down)
         self.tokens_computed += n
-        self.forward_calls += 1
         sampled = [i for i, it in enumerate(items) if it.sample]
         out: list[int | None] = [None] * len(items)
         if not sampled:

@@ -83,6 +83,9 @@ def run(
         stack, model, prompts(seed), MAX_NEW, max_running=max_running, chunk_size=chunk, debug=True
     )
     check_against_reference(model, result.outputs, prompts(seed))
+    if not result.scheduler.preemptions:  # a cached prefix is read from the pool, not recomputed
+        computed = sum(len(p) - c + MAX_NEW - 1 for p, c in zip(prompts(seed), result.cached))
+        assert model.tokens_computed == computed
     return stack, model, result
 
 
@@ -99,6 +102,14 @@ CACHES = {
         num_layers=4,
         allocator_options={"swa_capacity_tokens": 96, "sliding_window_size": 6},
     ),
+    "swa_radix-page4": stack_config(
+        "swa",
+        "swa_radix",
+        capacity=160,
+        page_size=4,
+        num_layers=4,
+        allocator_options={"swa_capacity_tokens": 96, "sliding_window_size": 6},
+    ),
 }
 
 
@@ -109,7 +120,9 @@ def test_cached_generation_equals_recompute(name: str, chunk: int | None) -> Non
     stats = stack.prefix_cache.stats
     if name == "chunk":
         assert stats.hit_tokens == 0
-    elif name == "swa_radix":  # decoding frees the system prompts' window side: see multi-turn
+    elif name.startswith(
+        "swa_radix"
+    ):  # decoding frees the system prompts' window side: see multi-turn
         assert stats.swa_evicted_tokens > 0
     else:
         assert stats.hit_tokens >= 16  # shared system prompts were served from the pool
@@ -125,6 +138,7 @@ def test_cached_generation_equals_recompute(name: str, chunk: int | None) -> Non
         ("block_hash-page16", 80),
         ("chunk", 96),
         ("swa_radix", 96),
+        ("swa_radix-page4", 96),
     ],
 )
 def test_preemption_and_readmission_equal_recompute(name: str, capacity: int) -> None:
@@ -157,9 +171,16 @@ def test_swa_window_eviction_on_the_real_path() -> None:
 
 
 @pytest.mark.parametrize("chunk", [None, 5])
-def test_swa_multi_turn_reuses_the_conversation(chunk: int | None) -> None:
-    """Next turns (prompt + answer + a question) match the previous turn's window-live tail."""
-    stack = kvplug.build(CACHES["swa_radix"])
+@pytest.mark.parametrize("page", [1, 4])
+def test_swa_multi_turn_reuses_the_conversation(page: int, chunk: int | None) -> None:
+    """Next turns (prompt + answer + a question) match the previous turn's window-live tail
+    (room for every turn: nothing is evicted, so every match is exact)."""
+    window = {"swa_capacity_tokens": 192, "sliding_window_size": 6}
+    stack = kvplug.build(
+        stack_config(
+            "swa", "swa_radix", capacity=320, page_size=page, num_layers=4, allocator_options=window
+        )
+    )
     model = TinyModel.for_stack(stack, record_logits=True)
     first = prompts(n=4)
     turn1 = serve(stack, model, first, MAX_NEW, max_running=2, chunk_size=chunk, debug=True)
@@ -169,7 +190,8 @@ def test_swa_multi_turn_reuses_the_conversation(chunk: int | None) -> None:
     turn2 = serve(stack, model, second, MAX_NEW, max_running=2, chunk_size=chunk, debug=True)
     check_against_reference(model, turn2.outputs, second)
     # each turn-1 sequence was cached with K/V for prompt + all but the last output token
-    assert turn2.cached == [len(p) + MAX_NEW - 1 for p in first]
+    assert turn2.cached == [(len(p) + MAX_NEW - 1) // page * page for p in first]
+    assert stack.prefix_cache.stats.evicted_tokens == 0
 
 
 def test_window_mask_matters() -> None:

@@ -159,9 +159,10 @@ class TinyModel:
     def is_window_layer(self, layer: int) -> bool:
         return layer in self.config.swa_layer_ids
 
-    def check_pool(self, pool: Any) -> None:
-        """Refuse a pool whose geometry or window layers do not match this model."""
-        c = self.config
+    def check_stack(self, stack: Any) -> None:
+        """Refuse a pool whose geometry or window layers, or an allocator whose window, do not
+        match this model: the K/V it would read would not be the K/V its layers wrote."""
+        c, pool = self.config, stack.pool
         kv_heads = getattr(pool, "kv_heads", None) or pool.full.kv_heads
         head_dim = getattr(pool, "head_dim", None) or pool.full.head_dim
         got = (pool.num_layers, kv_heads, head_dim, tuple(getattr(pool, "swa_layer_ids", ())))
@@ -173,6 +174,12 @@ class TinyModel:
             )
         if pool.device != self.device:
             raise ValueError(f"pool is on {pool.device}, the model on {self.device}")
+        window = getattr(stack.allocator, "sliding_window_size", None)
+        if c.swa_layer_ids and window != c.sliding_window_size:
+            raise ValueError(
+                f"the allocator keeps a {window}-token window, the model attends over "
+                f"{c.sliding_window_size}"
+            )
 
     @torch.inference_mode()
     def forward(self, stack: Any, items: Sequence[ItemLike]) -> list[int | None]:
@@ -187,7 +194,7 @@ class TinyModel:
         if not items:
             return []
         pool, c = stack.pool, self.config
-        self.check_pool(pool)
+        self.check_stack(stack)
         layout = step_layout(items, self.device)
         full_keys = key_view(layout)
         window_keys, window_new = full_keys, layout.new_slots

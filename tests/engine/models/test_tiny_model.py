@@ -230,6 +230,13 @@ def test_a_pool_of_another_geometry_is_refused() -> None:
         serve(stack, model, prompts(n=1), 1)
 
 
+def test_a_window_of_another_size_is_refused() -> None:
+    stack = kvplug.build(CACHES["swa_radix"])
+    model = TinyModel.for_stack(stack, sliding_window_size=8)
+    with pytest.raises(ValueError, match="keeps a 6-token window, the model attends over 8"):
+        serve(stack, model, prompts(n=1), 1)
+
+
 def test_a_window_position_without_a_window_slot_is_an_error() -> None:
     """Freeing a window slot the model still needs is caught, not read as padding."""
     config = CACHES["swa_radix"]

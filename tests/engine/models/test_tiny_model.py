@@ -194,6 +194,28 @@ def test_swa_multi_turn_reuses_the_conversation(page: int, chunk: int | None) ->
     assert stack.prefix_cache.stats.evicted_tokens == 0
 
 
+def test_a_wrongly_translated_window_slot_is_seen() -> None:
+    """One window slot of a cached conversation mapped to its neighbour's changes the next turn:
+    the window layers really read the window pool through the allocator's translation."""
+    window = {"swa_capacity_tokens": 192, "sliding_window_size": 6}
+    stack = kvplug.build(
+        stack_config("swa", "swa_radix", capacity=320, num_layers=4, allocator_options=window)
+    )
+    model = TinyModel.for_stack(stack, record_logits=True)
+    first = prompts(n=1)
+    turn1 = serve(stack, model, first, MAX_NEW)
+    second = [first[0] + turn1.outputs[0] + [1, 2, 3]]
+    cached = len(first[0]) + MAX_NEW - 1
+    slots = stack.prefix_cache.match_prefix(second[0]).device_indices
+    assert len(slots) == cached
+    mapping = stack.allocator.full_to_swa_index_mapping
+    mapping[slots[-2]] = mapping[slots[-3]]  # a live window position, translated wrongly
+    turn2 = serve(stack, model, second, MAX_NEW)
+    assert turn2.cached == [cached]
+    with pytest.raises(AssertionError):
+        check_against_reference(model, turn2.outputs, second)
+
+
 def test_window_mask_matters() -> None:
     """The windowed reference differs from full attention, so SWA equality is not vacuous."""
     full = TinyModel(TinyConfig(num_layers=4))

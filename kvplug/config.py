@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvplug_hookspecs import KVCacheConfig, PoolGeometry
 
 from .errors import ConfigError
@@ -40,28 +42,38 @@ _SELECTIONS = ("allocator", "prefix_cache", "eviction_policy")
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a ``.toml`` or ``.json`` config file into a plain dict."""
+    """Parse a ``.toml`` or ``.json`` config file into a plain dict.
+
+    Every failure is a one-line :class:`ConfigError` naming the file, so the CLI never shows a
+    traceback for a path that is missing, a directory, unreadable or malformed.
+    """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    where = f"config file {str(path)!r}"
+    if path.is_dir():
+        raise ConfigError(f"{where} is a directory, not a file")
+    if not path.exists():
+        raise ConfigError(f"{where} does not exist")
     suffix = path.suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(f"{where}: unsupported suffix {suffix!r}; use .toml or .json")
     try:
-        if suffix == ".toml":
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-            if path.name == "pyproject.toml":
-                data = data.get("tool", {}).get("kvplug", {})
-        elif suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
-        else:
-            raise ConfigError(
-                f"config file {str(path)!r}: unsupported suffix {suffix!r}; use .toml or .json"
-            )
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(
-            f"config file {str(path)!r} is not valid {suffix[1:].upper()}: {exc}"
-        ) from exc
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{where} cannot be read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} is not valid UTF-8: {exc}") from exc
+    try:
+        data: Any = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{where} is not valid {suffix[1:].upper()}: {exc}") from exc
+    if path.name == "pyproject.toml":
+        # A pyproject without the table is most likely the wrong file: never silent defaults.
+        tool = data.get("tool")
+        if not isinstance(tool, dict) or "kvplug" not in tool:
+            raise ConfigError(f"{where} has no [tool.kvplug] table")
+        data = tool["kvplug"]
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold an object at the top level")
+        raise ConfigError(f"{where} must hold an object at the top level")
     return data
 
 
@@ -104,6 +116,39 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return data
 
 
+def _env_sources(environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
+    """Which ``KVPLUG_*`` variable set which config field, by the field's location."""
+    sources: dict[tuple[str, ...], str] = {}
+    for field in _SELECTIONS:
+        var = f"KVPLUG_{field.upper()}"
+        if var in environ:
+            sources[(field,)] = var
+        if f"{var}_OPTIONS" in environ:
+            sources[(field, "options")] = f"{var}_OPTIONS"
+    for var in environ:
+        if var.startswith("KVPLUG_POOL_"):
+            sources[("pool", var.removeprefix("KVPLUG_POOL_").lower())] = var
+    return sources
+
+
+def _blame_variable(exc: ValidationError, environ: Mapping[str, str]) -> ConfigError | None:
+    """A :class:`ConfigError` naming the variable behind the first error a variable caused.
+
+    A user who set ``KVPLUG_POOL_CAPACITY_TOKENS=abc`` must be told that variable, not only the
+    field ``pool.capacity_tokens`` they may not know it feeds.
+    """
+    sources = _env_sources(environ)
+    for error in exc.errors():
+        loc = tuple(str(part) for part in error["loc"])
+        for prefix in sorted(sources, key=len, reverse=True):
+            if loc[: len(prefix)] == prefix:
+                var = sources[prefix]
+                return ConfigError(
+                    f"{var}={environ[var]!r} is invalid: {'.'.join(loc)}: {error['msg']}"
+                )
+    return None
+
+
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """Deep-merge ``override`` into a copy of ``base`` (a bare name replaces a selection)."""
     merged = dict(base)
@@ -118,6 +163,15 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _selection_name(value: Any) -> Any:
+    """The name a selection value gives, or ``None`` (it may be any type: validated later)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return value.get("name")
+    return None
+
+
 def load_config(
     source: KVCacheConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     *,
@@ -127,8 +181,9 @@ def load_config(
     """Build a :class:`KVCacheConfig` from a dict, a file path or nothing, then the environment.
 
     A selection set by the environment to a different name drops the file's options for it.
-    Raises :class:`ConfigError` for unreadable input and ``pydantic.ValidationError`` (naming
-    the field) for invalid values.
+    Raises :class:`ConfigError` for unreadable input or an invalid ``KVPLUG_*`` variable (the
+    message names the variable) and ``pydantic.ValidationError`` (naming the field) for invalid
+    values of the dict or file.
     """
     if isinstance(source, KVCacheConfig):
         data: dict[str, Any] = source.model_dump()
@@ -140,13 +195,19 @@ def load_config(
         data = read_config_file(source)
     else:
         raise TypeError(f"cannot load a config from {type(source).__name__}")
+    env: Mapping[str, str] = {}
     if use_env:
-        overrides = config_from_env(environ)
+        env = os.environ if environ is None else environ
+        overrides = config_from_env(env)
         for field in _SELECTIONS:
             new = overrides.get(field, {})
-            old = data.get(field)
-            old_name = old if isinstance(old, str) else (old or {}).get("name")
-            if "name" in new and new["name"] != old_name:
+            if "name" in new and new["name"] != _selection_name(data.get(field)):
                 data.pop(field, None)  # a different component: the old options do not apply
         data = _merge(data, overrides)
-    return KVCacheConfig.model_validate(data)
+    try:
+        return KVCacheConfig.model_validate(data)
+    except ValidationError as exc:
+        blamed = _blame_variable(exc, env)
+        if blamed is None:
+            raise
+        raise blamed from exc

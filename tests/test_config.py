@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,87 @@ def test_environment_errors():
 def test_load_config_rejects_other_types():
     with pytest.raises(TypeError, match="cannot load a config from int"):
         load_config(3, environ={})
+
+
+@pytest.mark.parametrize(
+    ("value", "loc", "message"),
+    [
+        (5, ("eviction_policy",), "got int"),
+        (["lru"], ("eviction_policy",), "got list"),
+        (None, ("eviction_policy",), "got NoneType"),
+        ({"options": {}}, ("eviction_policy", "name"), "Field required"),
+        ({"name": 5}, ("eviction_policy", "name"), "valid string"),
+        ({"name": "lru", "options": 3}, ("eviction_policy", "options"), "valid dictionary"),
+    ],
+)
+def test_non_string_component_is_a_validation_error_naming_the_field(value, loc, message):
+    for env in ({}, {"KVPLUG_POOL_DEVICE": "cpu"}):  # the environment merge must not crash
+        with pytest.raises(ValidationError) as info:
+            load_config({"eviction_policy": value}, environ=env)
+        assert info.value.errors()[0]["loc"] == loc
+        assert message in str(info.value)
+
+
+def test_build_rejects_a_non_string_component(monkeypatch):
+    import kvplug
+
+    for var in [v for v in os.environ if v.startswith("KVPLUG_")]:
+        monkeypatch.delenv(var)
+    with pytest.raises(ValidationError) as info:
+        kvplug.build({"eviction_policy": 5})
+    assert info.value.errors()[0]["loc"] == ("eviction_policy",)
+
+
+def test_environment_replaces_a_non_string_component():
+    config = load_config({"eviction_policy": 5}, environ={"KVPLUG_EVICTION_POLICY": "fifo"})
+    assert config.eviction_policy.name == "fifo"
+
+
+def test_directory_and_pyproject_without_table_are_errors(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        load_config(tmp_path, environ={})
+    path = tmp_path / "pyproject.toml"
+    path.write_text('[project]\nname = "x"\n')
+    with pytest.raises(ConfigError, match=r"has no \[tool.kvplug\] table"):
+        load_config(path, environ={})
+    path.write_text("[tool.ruff]\nline-length = 99\n")
+    with pytest.raises(ConfigError, match=r"has no \[tool.kvplug\] table"):
+        load_config(path, environ={})
+    path.write_text("[tool.kvplug]\n")  # present but empty: the defaults, on purpose
+    assert load_config(path, environ={}) == KVCacheConfig()
+
+
+def test_unreadable_file_is_a_config_error(tmp_path, monkeypatch):
+    path = tmp_path / "c.toml"
+    path.write_text('allocator = "paged"\n')
+
+    def deny(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", deny)
+    with pytest.raises(ConfigError, match=r"c.toml' cannot be read: Permission denied"):
+        load_config(path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("var", "raw", "message"),
+    [
+        ("KVPLUG_POOL_CAPACITY_TOKENS", "abc", "pool.capacity_tokens: Input should be a valid"),
+        ("KVPLUG_POOL_DEVICE", "gpu", "pool.device: Value error, unknown device 'gpu'"),
+        ("KVPLUG_POOL_DTYPE", "int8", "pool.dtype:"),
+        ("KVPLUG_EVICTION_POLICY", '"Not A Name"', "invalid component name"),
+        ("KVPLUG_ALLOCATOR", '{"name": "paged", "opts": {}}', "allocator.opts: Extra inputs"),
+    ],
+)
+def test_a_bad_variable_is_named_in_the_error(var, raw, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, environ={var: raw})
+    assert str(info.value).startswith(f"{var}={raw!r} is invalid: ")
+    assert message in str(info.value)
+    assert isinstance(info.value.__cause__, ValidationError)
+
+
+def test_an_error_of_the_file_is_not_blamed_on_a_variable():
+    with pytest.raises(ValidationError) as info:
+        load_config({"pool": {"capacity_tokens": -5}}, environ={"KVPLUG_POOL_DEVICE": "cpu"})
+    assert info.value.errors()[0]["loc"] == ("pool", "capacity_tokens")

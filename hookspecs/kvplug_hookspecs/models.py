@@ -124,8 +124,14 @@ class ComponentSelection(FrozenModel):
     @model_validator(mode="before")
     @classmethod
     def _from_name(cls, value: Any) -> Any:
+        # Say what a selection is, rather than pydantic's "valid dictionary or instance".
         if isinstance(value, str):
             return {"name": value}
+        if not isinstance(value, (dict, ComponentSelection)):
+            raise ValueError(
+                "expected a component name or a table with a 'name' (and 'options'), "
+                f"got {type(value).__name__}"
+            )
         return value
 
     @field_validator("name")

@@ -35,6 +35,7 @@ from kvplug_hookspecs import (
     hookspec,
 )
 
+from . import _torch  # noqa: F401  (first: imports torch without its numpy warning)
 from .config import load_config
 from .errors import (
     ConfigError,

@@ -1,30 +1,87 @@
 """The ``kvplug`` app and what every command shares: consoles, options, one-line errors.
 
-Exit codes: 0 success, 2 a bad config (unreadable file, invalid value, unknown component name),
-3 a plugin error (strict mode, conflicting names). Errors are one line on stderr; ``--debug``
-shows the traceback.
+Exit codes: 0 success, 2 a bad config or usage (unreadable file, invalid value, unknown
+component name, bad ``KVPLUG_*`` variable, missing argument, unknown option), 3 a plugin error
+(strict mode, conflicting names). Errors are one line on stderr; ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import Annotated
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
 from .. import __version__
 from ..errors import PluginError
 from ..registry import PluginRegistry, env_flag
 
-# torch warns on import when numpy is absent; kvplug never converts tensors to numpy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+try:  # recent typer vendors click
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover - older typer depends on click itself
+    from click.exceptions import ClickException  # type: ignore[import-not-found,no-redef]
 
 EXIT_BAD_CONFIG = 2
 EXIT_PLUGIN_ERROR = 3
 
+
+class OneLineErrorsGroup(TyperGroup):
+    """The top-level command: a usage error is one line on stderr with exit 2, never a box.
+
+    Scripts and engines read stderr; a multi-line rich panel is hard to log and to grep.
+    """
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        try:
+            result = super().main(
+                args,
+                prog_name,
+                complete_var,
+                standalone_mode=False,
+                windows_expand_args=windows_expand_args,
+                **extra,
+            )
+        except ClickException as exc:
+            if not standalone_mode:
+                raise
+            if type(exc).__name__ != "NoArgsIsHelpError":  # its help is already printed
+                err.print(f"error: {usage_line(exc)}", highlight=False, markup=False)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            if not standalone_mode:
+                raise
+            err.print("error: aborted", highlight=False, markup=False)
+            sys.exit(1)
+        if not standalone_mode:
+            return result
+        # Without standalone mode typer returns the code of a ``typer.Exit`` instead of exiting.
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+def usage_line(exc: ClickException) -> str:
+    """``Missing argument 'PATHS...'. (see 'kvplug config validate --help')`` on one line."""
+    message = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    if ctx is None:
+        return message
+    return f"{message} (see '{ctx.command_path} --help')"
+
+
 app = typer.Typer(
+    cls=OneLineErrorsGroup,
     name="kvplug",
     help="Pluggable KV-cache memory: allocators, prefix caches and eviction policies as plugins.",
     no_args_is_help=True,
@@ -56,7 +113,8 @@ def one_line(exc: BaseException) -> str:
 def fail(exc: BaseException, code: int, debug: bool) -> typer.Exit:
     if debug:
         err.print_exception(show_locals=False)
-    err.print(f"[bold red]error:[/] {one_line(exc)}", highlight=False, markup=True)
+    # escape(): a message may hold brackets (``[tool.kvplug]``) that rich would take as markup.
+    err.print(f"[bold red]error:[/] {escape(one_line(exc))}", highlight=False, markup=True)
     return typer.Exit(code)
 
 
@@ -66,8 +124,8 @@ def load_registry(strict: bool, debug: bool) -> PluginRegistry:
         return PluginRegistry(strict=strict).load_plugins()
     except PluginError as exc:
         raise fail(exc, EXIT_PLUGIN_ERROR, debug) from None
-    except ValueError as exc:  # a malformed KVPLUG_* boolean
-        raise fail(exc, EXIT_PLUGIN_ERROR, debug) from None
+    except ValueError as exc:  # a malformed KVPLUG_* boolean: a bad setting, named in the message
+        raise fail(exc, EXIT_BAD_CONFIG, debug) from None
 
 
 def _version_callback(value: bool) -> None:

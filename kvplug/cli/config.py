@@ -9,33 +9,56 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
+from rich.markup import escape
 
 from kvplug_hookspecs import KVCacheConfig
 
 from ..config import load_config
 from ..errors import ConfigError, UnknownComponentError
+from ..pools import resolve_device
 from ..registry import COMPONENT_KINDS
 from .app import (
     EXIT_BAD_CONFIG,
     DebugOption,
     StrictOption,
     config_app,
+    err,
     fail,
     load_registry,
     out,
 )
 
 
-def _resolve_file(path: Path, strict: bool, debug: bool) -> dict[str, Any]:
+def _load_file(path: Path, debug: bool) -> KVCacheConfig:
     try:
-        config = load_config(path)
+        return load_config(path)
     except (ConfigError, ValidationError) as exc:
         raise fail(exc, EXIT_BAD_CONFIG, debug) from None
+
+
+def _resolve(config: KVCacheConfig, strict: bool, debug: bool) -> dict[str, Any]:
     registry = load_registry(strict, debug)
     try:
         return registry.resolve_config(config).as_dict()
     except (UnknownComponentError, ValidationError) as exc:
         raise fail(exc, EXIT_BAD_CONFIG, debug) from None
+
+
+def _resolve_file(path: Path, strict: bool, debug: bool) -> dict[str, Any]:
+    return _resolve(_load_file(path, debug), strict, debug)
+
+
+def device_problem(device: str) -> str | None:
+    """Why this machine cannot use ``device``, or ``None`` when it can.
+
+    A config written for a GPU server is still valid on a laptop, so this is a warning unless
+    ``--strict`` asks for the config to be usable here.
+    """
+    try:
+        resolve_device(device)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 ConfigPath = Annotated[Path, typer.Argument(help="A .toml or .json config file.")]
@@ -44,12 +67,26 @@ ConfigPath = Annotated[Path, typer.Argument(help="A .toml or .json config file."
 @config_app.command("validate")
 def config_validate(
     paths: Annotated[list[Path], typer.Argument(help="One or more .toml or .json config files.")],
-    strict: StrictOption = False,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Fail on any broken plugin (also KVPLUG_STRICT_PLUGINS=1) and on a device "
+            "this machine does not have.",
+        ),
+    ] = False,
     debug: DebugOption = False,
 ) -> None:
-    """Check configs: structure, component names and each plugin's options."""
+    """Check configs: structure, component names, each plugin's options, the device."""
     for path in paths:
-        resolved = _resolve_file(path, strict, debug)
+        config = _load_file(path, debug)
+        resolved = _resolve(config, strict, debug)
+        problem = device_problem(config.pool.device)
+        if problem is not None:
+            message = f"{path}: {problem}"
+            if strict:
+                raise fail(ConfigError(message), EXIT_BAD_CONFIG, debug)
+            err.print(f"warning: {escape(message)}", highlight=False)
         names = ", ".join(f"{k.field}={resolved[k.field]['name']}" for k in COMPONENT_KINDS)
         out.print(f"{path}: valid ({names})", highlight=False)
 

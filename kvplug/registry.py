@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import threading
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import import_module, metadata
@@ -494,17 +495,24 @@ def _prefixed(exc: ValidationError, prefix: tuple[str, ...], title: str) -> Vali
 
 
 _registry: PluginRegistry | None = None
+_registry_lock = threading.Lock()
 
 
 def get_registry() -> PluginRegistry:
-    """The process-wide registry, loaded on first use from the environment."""
+    """The process-wide registry, loaded on first use from the environment.
+
+    Loaded once under a lock, so threads that build stacks at the same time share one registry
+    (and plugins are imported once).
+    """
     global _registry
-    if _registry is None:
-        _registry = PluginRegistry(strict=env_flag("KVPLUG_STRICT_PLUGINS")).load_plugins()
-    return _registry
+    with _registry_lock:
+        if _registry is None:
+            _registry = PluginRegistry(strict=env_flag("KVPLUG_STRICT_PLUGINS")).load_plugins()
+        return _registry
 
 
 def reset_registry() -> None:
     """Forget the process-wide registry (tests, or after installing plugins at run time)."""
     global _registry
-    _registry = None
+    with _registry_lock:
+        _registry = None

@@ -78,6 +78,18 @@ class RadixCacheOptions(FrozenModel):
     granularity: Literal["exact", "leaf"] = "exact"
 
 
+_ID_TOKENS = 64
+
+
+def _start_id(namespace: str | None, depth: int, key: tuple[int, ...]) -> int:
+    """A node's ``content_id``: where its content starts (namespace, depth, first tokens).
+
+    Content evicted and cached again usually comes back longer (a conversation's next turn), so
+    an identity of the start, not the end, lets a policy's ghost of it match.
+    """
+    return hash((namespace, depth, key[:_ID_TOKENS])) or 1
+
+
 class RadixNode(CandidateStats):
     """One edge of the tree: ``key`` token ids, ``value`` their KV slots (int64, on device).
 
@@ -174,6 +186,8 @@ class RadixCache(BuiltFromContext):
         head = RadixNode(child.creation_time, child.priority)
         head.last_access_time = child.last_access_time
         head.hit_count = child.hit_count
+        head.depth, head.namespace, head.new_tokens = child.depth, child.namespace, child.new_tokens
+        head.content_id = child.content_id  # the head starts where the child started
         head.lock_ref = child.lock_ref
         head.parent, head.edge = child.parent, child.edge
         head.key, head.value, head.num_tokens = child.key[:length], child.value[:length], length
@@ -181,6 +195,8 @@ class RadixCache(BuiltFromContext):
         child.key, child.value = child.key[length:], child.value[length:]
         child.num_tokens -= length
         child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
+        child.depth += length
+        child.content_id = _start_id(child.namespace, child.depth, child.key)
         child.parent = head
         head.children[child.edge] = child
         if child in self.policy:  # its size changed: let size-aware policies re-rank it
@@ -309,7 +325,9 @@ class RadixCache(BuiltFromContext):
                 child_key(ids, pos, self.page_size, node is self.root, key.extra_key),
             )
             leaf.key, leaf.value = ids[pos:end], indices[pos:end].clone()
-            leaf.num_tokens = end - pos
+            leaf.num_tokens = leaf.new_tokens = end - pos
+            leaf.depth, leaf.namespace = pos, key.extra_key
+            leaf.content_id = _start_id(key.extra_key, pos, leaf.key)
             node.children[leaf.edge] = leaf
             self.policy.discard(node)  # no longer a leaf
             self.policy.add(leaf)

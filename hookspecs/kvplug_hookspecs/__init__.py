@@ -18,7 +18,7 @@ from .models import (
     PrefixRemoved,
     PrefixStored,
 )
-from .policy_base import KeyedEvictionPolicy
+from .policy_base import FeedbackEvictionPolicy, Ghost, KeyedEvictionPolicy
 from .protocols import (
     CacheEvents,
     CacheKey,
@@ -54,7 +54,9 @@ __all__ = [
     "EvictionCandidate",
     "EvictionPolicy",
     "EvictionPolicyRegistration",
+    "FeedbackEvictionPolicy",
     "FrozenModel",
+    "Ghost",
     "KVCacheConfig",
     "KeyedEvictionPolicy",
     "MatchResult",

@@ -10,11 +10,13 @@ live ones, so memory stays O(N). Nothing is ever rebuilt from all leaves on an e
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .protocols import EvictionCandidate
 
-__all__ = ["KeyedEvictionPolicy"]
+__all__ = ["FeedbackEvictionPolicy", "Ghost", "KeyedEvictionPolicy"]
 
 
 class KeyedEvictionPolicy:
@@ -89,3 +91,196 @@ class KeyedEvictionPolicy:
 
     def __contains__(self, candidate: object) -> bool:
         return candidate in self._live
+
+
+@dataclass(frozen=True, slots=True)
+class Ghost:
+    """What a :class:`FeedbackEvictionPolicy` remembers of an evicted candidate.
+
+    ``evicted_at`` is the policy's clock at the eviction, ``age`` the candidate's age then (time
+    since its last access), ``hit_count`` and ``num_tokens`` its statistics, ``tag`` whatever the
+    policy stored with it (the ARC list it left, the LHD class it was in).
+    """
+
+    evicted_at: int
+    age: int
+    hit_count: int
+    num_tokens: int
+    tag: int = 0
+
+
+class FeedbackEvictionPolicy:
+    """Base for policies that learn from what happens to their candidates.
+
+    The cache calls only the plain protocol (``add``/``discard``/``touch``/``pop``); this class
+    derives the feedback a learning policy needs from those calls and hands it to three optional
+    callbacks, so no cache needs a new call:
+
+    * ``on_insert(c, ghost)`` — ``c`` is seen for the first time (a new leaf or block). ``ghost``
+      is the :class:`Ghost` of an earlier eviction of the same content when one matches
+      (same ``content_id``), i.e. the policy evicted that content too early; else ``None``.
+      Only a candidate created at the current tick is matched (a parent that became a leaf
+      again is not re-inserted content).
+    * ``on_hit(c, age)`` — ``c``'s ``hit_count`` grew: a request reused it ``age`` clock ticks
+      after its previous access. Called for cached candidates that are not evictable right now,
+      too (hits on locked or inner nodes the policy saw as leaves before).
+    * ``on_evict(c, age) -> tag`` — ``pop`` chose ``c``; its return value is kept in the ghost.
+    * ``on_shrink(c, old_tokens, age)`` — ``c`` holds fewer tokens than when last seen, ``age``
+      ticks after its previous access: a request matched only its head, so the radix cache split
+      it (the reused head became a new inner node; ``c`` keeps the unused tail). For a radix
+      leaf this is how a partial reuse looks. An exact eviction that frees only ``c``'s tail is
+      not reported (``pop`` already was).
+
+    A subclass ranks its members with four methods: ``_enter(c)`` (became evictable),
+    ``_leave(c)`` (no longer evictable), ``_update(c)`` (statistics changed while evictable) and
+    ``_victim(remove)`` (the next victim, removed when ``remove``). ``self.now`` is the latest
+    logical time seen on any candidate (the cache's clock). Ghosts are bounded by
+    ``ghost_capacity`` entries (oldest forgotten first). A candidate the cache re-adds right after
+    popping it (an exact eviction freed only its tail) keeps its state and is not "new".
+    """
+
+    def __init__(self, options: Any = None, *, ghost_capacity: int = 4096) -> None:
+        self.options = options
+        self.now = 0
+        self.ghost_capacity = ghost_capacity
+        self._state: dict[EvictionCandidate, list[int]] = {}  # [last access, hits, tokens] seen
+        self._ghosts: OrderedDict[Any, Ghost] = OrderedDict()
+        self._popped: EvictionCandidate | None = None
+        self._popped_state: list[int] | None = None
+
+    # -- feedback callbacks (override what you need) --------------------------------------------
+
+    def on_insert(self, candidate: EvictionCandidate, ghost: Ghost | None) -> None:
+        """``candidate`` is new; ``ghost`` is set when its content was evicted before."""
+
+    def on_hit(self, candidate: EvictionCandidate, age: int) -> None:
+        """``candidate`` was reused ``age`` ticks after its previous access."""
+
+    def on_evict(self, candidate: EvictionCandidate, age: int) -> int:
+        """``candidate`` is being evicted at ``age``; the return value is the ghost's tag."""
+        return 0
+
+    def on_shrink(self, candidate: EvictionCandidate, old_tokens: int, age: int) -> None:
+        """``candidate`` held ``old_tokens`` when last seen (``age`` ticks ago), fewer now."""
+
+    # -- ranking (a subclass implements these) ---------------------------------------------------
+
+    def _enter(self, candidate: EvictionCandidate) -> None:
+        raise NotImplementedError
+
+    def _leave(self, candidate: EvictionCandidate) -> None:
+        raise NotImplementedError
+
+    def _update(self, candidate: EvictionCandidate) -> None:
+        raise NotImplementedError
+
+    def _victim(self, remove: bool) -> EvictionCandidate | None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __contains__(self, candidate: object) -> bool:
+        raise NotImplementedError
+
+    def _clear(self) -> None:
+        raise NotImplementedError
+
+    # -- ghosts ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def ghost_keys(candidate: EvictionCandidate) -> tuple[Any, ...]:
+        """The keys a ghost of ``candidate`` is found by: its ``content_id`` (none when 0)."""
+        return (candidate.content_id,) if candidate.content_id else ()
+
+    def take_ghost(self, candidate: EvictionCandidate) -> Ghost | None:
+        """Remove and return the ghost matching ``candidate``'s content, if any."""
+        ghosts, found = self._ghosts, None
+        for key in self.ghost_keys(candidate):
+            ghost = ghosts.pop(key, None)
+            if found is None:
+                found = ghost
+        return found
+
+    def ghost_count(self) -> int:
+        """Ghost entries kept now (a candidate may be findable under two keys)."""
+        return len(self._ghosts)
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    def _seen(self, candidate: EvictionCandidate) -> list[int]:
+        """The candidate's state, reporting a hit when its ``hit_count`` grew since last seen."""
+        if candidate.last_access_time > self.now:
+            self.now = candidate.last_access_time
+        state = self._state.get(candidate)
+        if state is None:
+            if candidate is self._popped and self._popped_state is not None:
+                state = self._popped_state  # the head of an exactly evicted leaf: not new
+                state[2] = candidate.num_tokens
+            else:
+                state = [candidate.last_access_time, candidate.hit_count, candidate.num_tokens]
+                self._state[candidate] = state
+                fresh = candidate.creation_time >= self.now  # created now, not an old parent
+                self.on_insert(candidate, self.take_ghost(candidate) if fresh else None)
+                return state
+            self._state[candidate] = state
+        if candidate.hit_count > state[1]:
+            self.on_hit(candidate, candidate.last_access_time - state[0])
+        if candidate.num_tokens < state[2]:
+            self.on_shrink(candidate, state[2], self.now - state[0])
+        state[0], state[1], state[2] = (
+            candidate.last_access_time,
+            candidate.hit_count,
+            candidate.num_tokens,
+        )
+        return state
+
+    def add(self, candidate: EvictionCandidate) -> None:
+        """``candidate`` became evictable (adding a present candidate refreshes its rank)."""
+        self._seen(candidate)
+        if candidate in self:
+            self._update(candidate)
+        else:
+            self._enter(candidate)
+
+    def discard(self, candidate: EvictionCandidate) -> None:
+        """``candidate`` is no longer evictable (its state is kept: it is still cached)."""
+        if candidate in self:
+            self._leave(candidate)
+
+    def touch(self, candidate: EvictionCandidate) -> None:
+        """``candidate``'s statistics changed: report a hit, re-rank it if evictable."""
+        if candidate not in self._state:
+            return  # never a candidate of ours (an inner radix node): nothing to learn
+        self._seen(candidate)
+        if candidate in self:
+            self._update(candidate)
+
+    def pop(self) -> EvictionCandidate | None:
+        """Remove and return the next victim, leaving a ghost of it."""
+        candidate = self._victim(True)
+        if candidate is None:
+            return None
+        age = max(0, self.now - candidate.last_access_time)
+        tag = self.on_evict(candidate, age)
+        state = self._state.pop(candidate, None)
+        self._popped, self._popped_state = candidate, state
+        ghost = Ghost(self.now, age, candidate.hit_count, candidate.num_tokens, tag)
+        ghosts = self._ghosts
+        for key in self.ghost_keys(candidate):
+            ghosts.pop(key, None)
+            ghosts[key] = ghost
+        while len(ghosts) > self.ghost_capacity:
+            ghosts.popitem(last=False)
+        return candidate
+
+    def peek(self) -> EvictionCandidate | None:
+        """The next victim without removing it."""
+        return self._victim(False)
+
+    def clear(self) -> None:
+        """Forget every candidate and ghost."""
+        self._clear()
+        self._state.clear()
+        self._ghosts.clear()
+        self._popped = self._popped_state = None

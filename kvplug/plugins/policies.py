@@ -1,5 +1,6 @@
 """Built-in eviction policies: ``lru`` (the default), ``lfu``, ``fifo``, ``mru``, ``filo``,
-``priority``, ``slru``."""
+``priority``, ``slru``; the learning policies ``arc``, ``s3fifo``, ``lhd`` and the cost-aware
+``gdsf``."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ from collections.abc import Iterator
 from kvplug_hookspecs import EvictionPolicyRegistration, hookimpl
 
 from ..policies import (
+    ARCOptions,
+    ARCPolicy,
     FIFOPolicy,
     FILOPolicy,
+    GDSFOptions,
+    GDSFPolicy,
     LFUPolicy,
+    LHDOptions,
+    LHDPolicy,
     LRUPolicy,
     MRUPolicy,
     PriorityPolicy,
+    S3FIFOOptions,
+    S3FIFOPolicy,
     SLRUOptions,
     SLRUPolicy,
 )
@@ -51,4 +60,28 @@ def kvplug_eviction_policies() -> Iterator[EvictionPolicyRegistration]:
         factory=SLRUPolicy,
         options_model=SLRUOptions,
         description="segmented LRU: candidates with fewer than protected_hits hits go first",
+    )
+    yield EvictionPolicyRegistration(
+        name="arc",
+        factory=ARCPolicy,
+        options_model=ARCOptions,
+        description="adaptive replacement: recency and frequency lists, split adapted by ghosts",
+    )
+    yield EvictionPolicyRegistration(
+        name="s3fifo",
+        factory=S3FIFOPolicy,
+        options_model=S3FIFOOptions,
+        description="small + main FIFO queues with ghosts: one-hit wonders leave early",
+    )
+    yield EvictionPolicyRegistration(
+        name="lhd",
+        factory=LHDPolicy,
+        options_model=LHDOptions,
+        description="learned hit density per class and age, guarded against losing to LRU",
+    )
+    yield EvictionPolicyRegistration(
+        name="gdsf",
+        factory=GDSFPolicy,
+        options_model=GDSFOptions,
+        description="greedy-dual size-frequency: hits x prefill cost per token (by depth)",
     )

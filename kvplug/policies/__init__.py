@@ -1,12 +1,15 @@
 """Eviction policies: each ranks the evictable candidates a cache hands it; the cache frees.
 
 One module per family; ``builtin`` holds the sort-key policies every engine knows (LRU, LFU,
-FIFO, MRU, FILO, priority, SLRU). New policies are new modules here, registered in
+FIFO, MRU, FILO, priority, SLRU); ``arc``, ``s3fifo`` and ``lhd`` learn from feedback
+(:class:`~kvplug_hookspecs.FeedbackEvictionPolicy`); ``gdsf`` weighs recompute cost
+(:mod:`.cost`). New policies are new modules here, registered in
 :mod:`kvplug.plugins.policies`.
 """
 
 from __future__ import annotations
 
+from .arc import ARCOptions, ARCPolicy
 from .builtin import (
     FIFOPolicy,
     FILOPolicy,
@@ -17,14 +20,27 @@ from .builtin import (
     SLRUOptions,
     SLRUPolicy,
 )
+from .cost import CostModel
+from .gdsf import GDSFOptions, GDSFPolicy
+from .lhd import LHDOptions, LHDPolicy
+from .s3fifo import S3FIFOOptions, S3FIFOPolicy
 
 __all__ = [
+    "ARCOptions",
+    "ARCPolicy",
+    "CostModel",
     "FIFOPolicy",
     "FILOPolicy",
+    "GDSFOptions",
+    "GDSFPolicy",
     "LFUPolicy",
+    "LHDOptions",
+    "LHDPolicy",
     "LRUPolicy",
     "MRUPolicy",
     "PriorityPolicy",
+    "S3FIFOOptions",
+    "S3FIFOPolicy",
     "SLRUOptions",
     "SLRUPolicy",
 ]

@@ -12,7 +12,19 @@ from tests.cache_helpers import POLICIES, POLICY_NAMES, cached_slots, make_radix
 
 
 def test_builtin_policies_are_registered_with_descriptions():
-    assert POLICY_NAMES == ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
+    assert POLICY_NAMES == (
+        "lru",
+        "lfu",
+        "fifo",
+        "mru",
+        "filo",
+        "priority",
+        "slru",
+        "arc",
+        "s3fifo",
+        "lhd",
+        "gdsf",
+    )
     for registration in POLICIES.values():
         assert registration.description
         policy = registration.factory(registration.options_model())

@@ -36,9 +36,10 @@ from baseline import RebuildHeapLRU, random_tokens  # benchmarks/ is on sys.path
 from kvplug.allocators.standard import StandardAllocator
 from kvplug.caches.radix import RadixCache
 from kvplug.eviction import evict_from_tree_cache
-from kvplug.policies import LRUPolicy
+from kvplug.plugins.policies import kvplug_eviction_policies
 from kvplug_hookspecs import EvictParams, EvictResult
 
+POLICIES = {r.name: r for r in kvplug_eviction_policies()}
 SYSTEM_PROMPTS = 8
 SYSTEM_TOKENS = 512
 SUFFIX_TOKENS = 64  # a request's unique part and each prefilled leaf's size: N stays ~constant
@@ -55,13 +56,17 @@ class RebuildHeapRadixCache(RadixCache):
             self.policy.end_evict()
 
 
-def build(kind: str, num_leaves: int, rng: random.Random) -> tuple[RadixCache, StandardAllocator]:
+def build(
+    kind: str, num_leaves: int, rng: random.Random, policy: str = "lru"
+) -> tuple[RadixCache, StandardAllocator]:
     """A cache filled to capacity with ``num_leaves`` evictable 64-token leaves under 8 prompts."""
     capacity = num_leaves * SUFFIX_TOKENS + SYSTEM_PROMPTS * SYSTEM_TOKENS
     # the engine's running requests hold no memory here: every slot is cached and evictable
     allocator = StandardAllocator(capacity, device="cpu", check_bounds=False)
     if kind == "kvplug":
-        cache = RadixCache(allocator, LRUPolicy)
+        registration = POLICIES[policy]
+        options = registration.options_model()
+        cache = RadixCache(allocator, lambda: registration.factory(options))
     else:
         cache = RebuildHeapRadixCache(allocator, RebuildHeapLRU)
     systems = [random_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
@@ -127,9 +132,10 @@ def run(
     *,
     keep_gc: bool = False,
     seed: int = 0,
+    policy: str = "lru",
 ) -> dict[str, float]:
     rng = random.Random(seed)
-    cache, allocator = build(kind, num_leaves, rng)
+    cache, allocator = build(kind, num_leaves, rng, policy)
     maker = shared_prefix_keys if workload == "shared" else multiturn_keys
     keys = maker(cache, rng, requests)
     warmup = {"match": [], "evict": [], "insert": []}
@@ -165,8 +171,17 @@ def main() -> None:
     parser.add_argument(
         "--gc", action="store_true", help="keep the garbage collector on while timing"
     )
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help="comma list: time only kvplug with these policies and compare their evict "
+        "cost with lru's (e.g. lru,arc,s3fifo,lhd,gdsf)",
+    )
     args = parser.parse_args()
     sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
+    if args.policies:
+        compare_policies(args.policies.split(","), sizes, args.requests or 1000, args.gc)
+        return
     requests = args.requests or (200 if args.quick else 1000)
     baseline_requests = max(50, requests // 5)  # the baseline is O(N) per request
 
@@ -204,6 +219,23 @@ def main() -> None:
             f"rebuild x{base_growth:.1f}; "
             f"rebuild / kvplug at N={hi}: x{speedup:.1f}"
         )
+
+
+def compare_policies(
+    policies: list[str], sizes: tuple[int, ...], requests: int, gc_on: bool
+) -> None:
+    """Evict cost per request of each policy, and its ratio to LRU's (same keys, same N)."""
+    names = ["lru", *(p for p in policies if p != "lru")]
+    print(f"evict us per request (median; ratio to lru), {requests} requests, gc {gc_on}")
+    print(f"{'workload':<10} {'N':>7} " + " ".join(f"{p:>15}" for p in names))
+    for workload in ("shared", "multiturn"):
+        for n in sizes:
+            us = {p: run("kvplug", workload, n, requests, keep_gc=gc_on, policy=p) for p in names}
+            cells = [
+                f"{us[p]['evict_us']:7.1f} (x{us[p]['evict_us'] / us['lru']['evict_us']:4.2f})"
+                for p in names
+            ]
+            print(f"{workload:<10} {n:>7} " + " ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

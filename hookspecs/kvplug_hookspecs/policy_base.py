@@ -113,7 +113,7 @@ class FeedbackEvictionPolicy:
     """Base for policies that learn from what happens to their candidates.
 
     The cache calls only the plain protocol (``add``/``discard``/``touch``/``pop``); this class
-    derives the feedback a learning policy needs from those calls and hands it to three optional
+    derives the feedback a learning policy needs from those calls and hands it to optional
     callbacks, so no cache needs a new call:
 
     * ``on_insert(c, ghost)`` — ``c`` is seen for the first time (a new leaf or block). ``ghost``
@@ -124,19 +124,68 @@ class FeedbackEvictionPolicy:
     * ``on_hit(c, age)`` — ``c``'s ``hit_count`` grew: a request reused it ``age`` clock ticks
       after its previous access. Called for cached candidates that are not evictable right now,
       too (hits on locked or inner nodes the policy saw as leaves before).
-    * ``on_evict(c, age) -> tag`` — ``pop`` chose ``c``; its return value is kept in the ghost.
+    * ``on_evict(c, age) -> tag`` — ``c``, returned by ``pop``, is gone; the return value is
+      kept in its ghost. Reported at the policy's next call, when it is known that the cache did
+      not re-add ``c`` at once.
+    * ``on_trim(c, freed)`` — ``c`` was popped but the cache re-added it at once with ``freed``
+      tokens fewer: an exact eviction took only its tail; ``c`` stays cached (no ghost).
     * ``on_shrink(c, old_tokens, age)`` — ``c`` holds fewer tokens than when last seen, ``age``
       ticks after its previous access: a request matched only its head, so the radix cache split
       it (the reused head became a new inner node; ``c`` keeps the unused tail). For a radix
-      leaf this is how a partial reuse looks. An exact eviction that frees only ``c``'s tail is
-      not reported (``pop`` already was).
+      leaf this is how a partial reuse looks.
 
     A subclass ranks its members with four methods: ``_enter(c)`` (became evictable),
     ``_leave(c)`` (no longer evictable), ``_update(c)`` (statistics changed while evictable) and
     ``_victim(remove)`` (the next victim, removed when ``remove``). ``self.now`` is the latest
     logical time seen on any candidate (the cache's clock). Ghosts are bounded by
-    ``ghost_capacity`` entries (oldest forgotten first). A candidate the cache re-adds right after
-    popping it (an exact eviction freed only its tail) keeps its state and is not "new".
+    ``ghost_capacity`` entries (oldest forgotten first).
+
+    Example: a policy that evicts least recently used first, but never content that came back
+    after an eviction while anything else is evictable::
+
+        class SecondChance(FeedbackEvictionPolicy):
+            def __init__(self, options=None):
+                super().__init__(options)
+                self.lists = (LazyHeap(), LazyHeap())  # kvplug.policies.heap
+                self.returned, self.where = set(), {}
+
+            def on_insert(self, c, ghost):
+                if ghost is not None:
+                    self.returned.add(c)
+
+            def on_evict(self, c, age):
+                self.returned.discard(c)
+                return 0
+
+            def _enter(self, c):
+                self.where[c] = heap = self.lists[c in self.returned]
+                heap.push(c, c.last_access_time)
+
+            def _leave(self, c):
+                self.where.pop(c).remove(c)
+
+            def _update(self, c):
+                self._leave(c)
+                self._enter(c)
+
+            def _victim(self, remove):
+                for heap in self.lists:
+                    if (c := heap.peek()) is not None:
+                        if remove:
+                            self._leave(c)
+                        return c
+                return None
+
+            def __len__(self):
+                return len(self.where)
+
+            def __contains__(self, c):
+                return c in self.where
+
+            def _clear(self):
+                for heap in self.lists:
+                    heap.clear()
+                self.where.clear()
     """
 
     def __init__(self, options: Any = None, *, ghost_capacity: int = 4096) -> None:
@@ -145,8 +194,7 @@ class FeedbackEvictionPolicy:
         self.ghost_capacity = ghost_capacity
         self._state: dict[EvictionCandidate, list[int]] = {}  # [last access, hits, tokens] seen
         self._ghosts: OrderedDict[Any, Ghost] = OrderedDict()
-        self._popped: EvictionCandidate | None = None
-        self._popped_state: list[int] | None = None
+        self._pending: EvictionCandidate | None = None  # popped; evicted unless re-added now
 
     # -- feedback callbacks (override what you need) --------------------------------------------
 
@@ -159,6 +207,9 @@ class FeedbackEvictionPolicy:
     def on_evict(self, candidate: EvictionCandidate, age: int) -> int:
         """``candidate`` is being evicted at ``age``; the return value is the ghost's tag."""
         return 0
+
+    def on_trim(self, candidate: EvictionCandidate, freed: int) -> None:
+        """An eviction freed ``freed`` tokens of ``candidate``'s tail; its head stays cached."""
 
     def on_shrink(self, candidate: EvictionCandidate, old_tokens: int, age: int) -> None:
         """``candidate`` held ``old_tokens`` when last seen (``age`` ticks ago), fewer now."""
@@ -214,16 +265,11 @@ class FeedbackEvictionPolicy:
             self.now = candidate.last_access_time
         state = self._state.get(candidate)
         if state is None:
-            if candidate is self._popped and self._popped_state is not None:
-                state = self._popped_state  # the head of an exactly evicted leaf: not new
-                state[2] = candidate.num_tokens
-            else:
-                state = [candidate.last_access_time, candidate.hit_count, candidate.num_tokens]
-                self._state[candidate] = state
-                fresh = candidate.creation_time >= self.now  # created now, not an old parent
-                self.on_insert(candidate, self.take_ghost(candidate) if fresh else None)
-                return state
+            state = [candidate.last_access_time, candidate.hit_count, candidate.num_tokens]
             self._state[candidate] = state
+            fresh = candidate.creation_time >= self.now  # created now, not an old parent
+            self.on_insert(candidate, self.take_ghost(candidate) if fresh else None)
+            return state
         if candidate.hit_count > state[1]:
             self.on_hit(candidate, candidate.last_access_time - state[0])
         if candidate.num_tokens < state[2]:
@@ -235,8 +281,32 @@ class FeedbackEvictionPolicy:
         )
         return state
 
+    def _settle(self) -> None:
+        """The candidate ``pop`` returned was not re-added: it is evicted; leave its ghost."""
+        candidate, self._pending = self._pending, None
+        if candidate is None:
+            return
+        age = max(0, self.now - candidate.last_access_time)
+        tag = self.on_evict(candidate, age)
+        self._state.pop(candidate, None)
+        ghost = Ghost(self.now, age, candidate.hit_count, candidate.num_tokens, tag)
+        ghosts = self._ghosts
+        for key in self.ghost_keys(candidate):
+            ghosts.pop(key, None)
+            ghosts[key] = ghost
+        while len(ghosts) > self.ghost_capacity:
+            ghosts.popitem(last=False)
+
     def add(self, candidate: EvictionCandidate) -> None:
         """``candidate`` became evictable (adding a present candidate refreshes its rank)."""
+        if candidate is self._pending:  # an exact eviction freed its tail and kept its head
+            self._pending = None
+            state = self._state[candidate]
+            freed, state[2] = state[2] - candidate.num_tokens, candidate.num_tokens
+            self.on_trim(candidate, freed)
+            self._enter(candidate)
+            return
+        self._settle()
         self._seen(candidate)
         if candidate in self:
             self._update(candidate)
@@ -245,11 +315,13 @@ class FeedbackEvictionPolicy:
 
     def discard(self, candidate: EvictionCandidate) -> None:
         """``candidate`` is no longer evictable (its state is kept: it is still cached)."""
+        self._settle()
         if candidate in self:
             self._leave(candidate)
 
     def touch(self, candidate: EvictionCandidate) -> None:
         """``candidate``'s statistics changed: report a hit, re-rank it if evictable."""
+        self._settle()
         if candidate not in self._state:
             return  # never a candidate of ours (an inner radix node): nothing to learn
         self._seen(candidate)
@@ -257,25 +329,15 @@ class FeedbackEvictionPolicy:
             self._update(candidate)
 
     def pop(self) -> EvictionCandidate | None:
-        """Remove and return the next victim, leaving a ghost of it."""
+        """Remove and return the next victim (its ghost is left at the next call)."""
+        self._settle()
         candidate = self._victim(True)
-        if candidate is None:
-            return None
-        age = max(0, self.now - candidate.last_access_time)
-        tag = self.on_evict(candidate, age)
-        state = self._state.pop(candidate, None)
-        self._popped, self._popped_state = candidate, state
-        ghost = Ghost(self.now, age, candidate.hit_count, candidate.num_tokens, tag)
-        ghosts = self._ghosts
-        for key in self.ghost_keys(candidate):
-            ghosts.pop(key, None)
-            ghosts[key] = ghost
-        while len(ghosts) > self.ghost_capacity:
-            ghosts.popitem(last=False)
+        self._pending = candidate
         return candidate
 
     def peek(self) -> EvictionCandidate | None:
         """The next victim without removing it."""
+        self._settle()
         return self._victim(False)
 
     def clear(self) -> None:
@@ -283,4 +345,4 @@ class FeedbackEvictionPolicy:
         self._clear()
         self._state.clear()
         self._ghosts.clear()
-        self._popped = self._popped_state = None
+        self._pending = None

@@ -13,19 +13,24 @@ recomputing a token at its depth costs (:class:`~kvplug.policies.cost.CostModel`
 
 Classes are hit-count buckets (0, 1, ..., ``hit_classes - 1`` or more), optionally times depth
 buckets (``depth_classes``) and "split" (``split_classes``: a request reused only the head of
-the leaf). Within a class candidates sit in two heaps by last access; density over age is
-taken to be unimodal, so a class's lowest density is at its oldest or its youngest member: an
-eviction compares two heads per class, O(classes + log N). Densities are recomputed every
-``recompute_every`` events and the histograms decay, so the policy follows a drifting
-workload. Everything is a function of the call sequence: deterministic.
+the leaf). Within a class candidates sit in a heap by last access. Past the typical reuse age
+density falls with age, so a class's oldest member is its candidate (``ends="oldest"``, the
+default); ``ends="both"`` also weighs its youngest (density rising, then falling, with age: it
+can stop admitting fresh content at small capacities, and measured worse than LRU at larger
+ones). An eviction compares one or two heads per class, O(classes + log N). Densities are
+recomputed every ``recompute_every`` events and the histograms decay, so the policy follows a
+drifting workload. Everything is a function of the call sequence: deterministic.
 
 **Guard against losing to LRU.** The global LRU victim is the oldest of the heads, so every
 eviction knows both choices for free. When they differ, the candidate one ranking keeps and the
 other would evict is watched: a hit on a candidate kept only by the learned ranking, or an
 insert matching the ghost of one the LRU ranking evicted, scores for the learned ranking; a hit
 on a candidate kept only by LRU, or a ghost of one the learned ranking evicted, scores for LRU.
-The policy uses whichever ranking leads (decayed score, LRU at the start), and keeps scoring the
-other one in the shadow, so it switches back when the signal flips.
+The policy uses whichever ranking leads (decayed score; LRU at the start, and until
+``guard_warmup`` events were scored; the learned ranking needs a lead of ``guard_margin`` of
+all evidence), and keeps scoring the other one in the shadow, so it switches back when the
+signal flips. An exact eviction that frees only a candidate's tail is watched the same way: a
+later reuse of the head means the tail would have been reused.
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ class LHDOptions(FrozenModel):
     guard_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05
     """The learned ranking takes over only when its evidence leads by this share of all scored
     evidence; LRU takes over as soon as it leads."""
+    guard_warmup: Annotated[int, Field(ge=0, strict=True)] = 200
+    """Scored events before the learned ranking may take over at all."""
     ghost_entries: Annotated[int, Field(ge=0, strict=True)] = 16384
     """Evicted candidates remembered (to learn reuse after eviction, and for the guard)."""
 
@@ -117,13 +124,12 @@ class LHDPolicy(FeedbackEvictionPolicy):
         self._keep = 1.0 - 1.0 / o.guard_memory
         self.score = 0.0
         self._scale = 0.0
+        self._scored = 0
         """Decayed evidence for the learned ranking over LRU (tokens; > 0: learned leads)."""
         self.use_learned = not o.guard
         self._kept_by_learned: dict[EvictionCandidate, None] = {}
         self._kept_by_lru: dict[EvictionCandidate, None] = {}
         self._deviation = 0
-        self._last_deviation = 0
-        self._popped_tokens = 0
         # candidates whose tail a deviating eviction cut (the cache kept the head): a later reuse
         # of the head means the tail would have been reused too
         self._cut: dict[EvictionCandidate, tuple[int, int]] = {}
@@ -191,8 +197,9 @@ class LHDPolicy(FeedbackEvictionPolicy):
     def _score(self, delta: float) -> None:
         self.score = self.score * self._keep + delta
         self._scale = self._scale * self._keep + abs(delta)
+        self._scored += 1
         margin = self.options.guard_margin * self._scale
-        if self.score > margin:
+        if self.score > margin and self._scored >= self.options.guard_warmup:
             self.use_learned = True
         elif self.score < 0:
             self.use_learned = False
@@ -241,10 +248,15 @@ class LHDPolicy(FeedbackEvictionPolicy):
         self._kept_by_lru.pop(candidate, None)
         self._split.pop(candidate, None)
         self._cut.pop(candidate, None)
-        self._popped_tokens = candidate.num_tokens
-        self._last_deviation = self._deviation
         tag, self._deviation = cls | self._deviation << 8, 0
         return tag
+
+    def on_trim(self, candidate: EvictionCandidate, freed: int) -> None:
+        deviation, self._deviation = self._deviation, 0
+        if self._guard and deviation and freed > 0:
+            self._cut[candidate] = (deviation, freed)
+            if len(self._cut) > 4 * self.ghost_capacity + 64:
+                del self._cut[next(iter(self._cut))]
 
     def on_shrink(self, candidate: EvictionCandidate, old_tokens: int, age: int) -> None:
         # a request reused the head: a hit at this age for the class the candidate was in
@@ -257,13 +269,6 @@ class LHDPolicy(FeedbackEvictionPolicy):
     # -- ranking -------------------------------------------------------------------------------
 
     def _enter(self, candidate: EvictionCandidate) -> None:
-        if self._guard and candidate is self._popped and self._last_deviation:
-            old_tokens = self._popped_tokens
-            if old_tokens > candidate.num_tokens:
-                self._cut[candidate] = (self._last_deviation, old_tokens - candidate.num_tokens)
-                if len(self._cut) > 4 * self.ghost_capacity + 64:
-                    del self._cut[next(iter(self._cut))]
-            self._last_deviation = 0
         if self._partial_first and candidate.partial_page:
             heap_id = self._classes
         else:

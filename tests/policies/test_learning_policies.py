@@ -68,6 +68,9 @@ class Recorder(FeedbackEvictionPolicy):
         self.events.append(("evict", c.node_id, age))
         return 7
 
+    def on_trim(self, c, freed):
+        self.events.append(("trim", c.node_id, freed))
+
     def _enter(self, c):
         self.members[c] = None
 
@@ -130,7 +133,7 @@ def test_exact_cut_is_not_a_new_candidate_and_ghosts_are_bounded():
     victim = p.pop()
     victim.num_tokens = 2  # the cache freed only its tail and re-adds the head
     p.add(victim)
-    assert p.events[-1] == ("evict", victim.node_id, 3)  # no "insert", no "shrink"
+    assert p.events[-1] == ("trim", victim.node_id, 2)  # not evicted, not new, no "shrink"
     for _ in range(3):
         p.pop()
     assert p.ghost_count() == 2  # ghost_capacity

@@ -84,10 +84,10 @@ class LHDOptions(FrozenModel):
     """Follow LRU whenever it has been doing better (see the module docstring)."""
     guard_memory: Annotated[int, Field(ge=1, strict=True)] = 2000
     """Guard evidence decays by ``1 - 1/guard_memory`` per scored event."""
-    guard_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05
+    guard_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.3
     """The learned ranking takes over only when its evidence leads by this share of all scored
     evidence; LRU takes over as soon as it leads."""
-    guard_warmup: Annotated[int, Field(ge=0, strict=True)] = 200
+    guard_warmup: Annotated[int, Field(ge=0, strict=True)] = 2000
     """Scored events before the learned ranking may take over at all."""
     ghost_entries: Annotated[int, Field(ge=0, strict=True)] = 16384
     """Evicted candidates remembered (to learn reuse after eviction, and for the guard)."""

@@ -36,7 +36,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-__all__ = ["ConfigError", "config_from_env", "load_config", "read_config_file"]
+__all__ = [
+    "ConfigError",
+    "config_from_env",
+    "load_config",
+    "read_config_file",
+    "variable_for",
+]
 
 _SELECTIONS = ("allocator", "prefix_cache", "eviction_policy")
 
@@ -121,8 +127,9 @@ def _env_sources(environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
     sources: dict[tuple[str, ...], str] = {}
     for field in _SELECTIONS:
         var = f"KVPLUG_{field.upper()}"
-        if var in environ:
-            sources[(field,)] = var
+        if var in environ:  # a bare name sets only the name; a JSON object may set options too
+            whole = isinstance(_parse_env_value(environ[var]), dict)
+            sources[(field,) if whole else (field, "name")] = var
         if f"{var}_OPTIONS" in environ:
             sources[(field, "options")] = f"{var}_OPTIONS"
     for var in environ:
@@ -131,21 +138,30 @@ def _env_sources(environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
     return sources
 
 
-def _blame_variable(exc: ValidationError, environ: Mapping[str, str]) -> ConfigError | None:
-    """A :class:`ConfigError` naming the variable behind the first error a variable caused.
+def variable_for(
+    loc: tuple[str | int, ...], environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The ``KVPLUG_*`` variable that set the config field at ``loc``, or ``None``.
 
-    A user who set ``KVPLUG_POOL_CAPACITY_TOKENS=abc`` must be told that variable, not only the
-    field ``pool.capacity_tokens`` they may not know it feeds.
+    Errors found after loading (an unknown component name, a plugin's option) use this too, so
+    a user is told the variable they set, not only a field they may not know it feeds.
     """
-    sources = _env_sources(environ)
+    env = os.environ if environ is None else environ
+    sources = _env_sources(env)
+    path = tuple(str(part) for part in loc)
+    for prefix in sorted(sources, key=len, reverse=True):
+        if path[: len(prefix)] == prefix:
+            return sources[prefix]
+    return None
+
+
+def _blame_variable(exc: ValidationError, environ: Mapping[str, str]) -> ConfigError | None:
+    """A :class:`ConfigError` naming the variable behind the first error a variable caused."""
     for error in exc.errors():
-        loc = tuple(str(part) for part in error["loc"])
-        for prefix in sorted(sources, key=len, reverse=True):
-            if loc[: len(prefix)] == prefix:
-                var = sources[prefix]
-                return ConfigError(
-                    f"{var}={environ[var]!r} is invalid: {'.'.join(loc)}: {error['msg']}"
-                )
+        var = variable_for(error["loc"], environ)
+        if var is not None:
+            loc = ".".join(str(part) for part in error["loc"])
+            return ConfigError(f"{var}={environ[var]!r} is invalid: {loc}: {error['msg']}")
     return None
 
 

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvplug import ConfigError, KVCacheConfig, load_config
-from kvplug.config import config_from_env
+from kvplug.config import config_from_env, variable_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
 
@@ -217,3 +217,18 @@ def test_an_error_of_the_file_is_not_blamed_on_a_variable():
     with pytest.raises(ValidationError) as info:
         load_config({"pool": {"capacity_tokens": -5}}, environ={"KVPLUG_POOL_DEVICE": "cpu"})
     assert info.value.errors()[0]["loc"] == ("pool", "capacity_tokens")
+
+
+def test_variable_for_names_the_variable_behind_a_field():
+    env = {
+        "KVPLUG_EVICTION_POLICY": "slru",
+        "KVPLUG_ALLOCATOR": '{"name": "paged", "options": {}}',
+        "KVPLUG_PREFIX_CACHE_OPTIONS": "{}",
+        "KVPLUG_POOL_PAGE_SIZE": "16",
+    }
+    assert variable_for(("eviction_policy", "name"), env) == "KVPLUG_EVICTION_POLICY"
+    assert variable_for(("eviction_policy", "options", "protected_hits"), env) is None
+    assert variable_for(("allocator", "options", "x"), env) == "KVPLUG_ALLOCATOR"
+    assert variable_for(("prefix_cache", "options", "x"), env) == "KVPLUG_PREFIX_CACHE_OPTIONS"
+    assert variable_for(("pool", "page_size"), env) == "KVPLUG_POOL_PAGE_SIZE"
+    assert variable_for(("pool", "capacity_tokens"), env) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -13,7 +14,7 @@ from rich.markup import escape
 
 from kvplug_hookspecs import KVCacheConfig
 
-from ..config import load_config
+from ..config import load_config, variable_for
 from ..errors import ConfigError, UnknownComponentError
 from ..pools import resolve_device
 from ..registry import COMPONENT_KINDS
@@ -25,6 +26,7 @@ from .app import (
     err,
     fail,
     load_registry,
+    one_line,
     out,
 )
 
@@ -41,7 +43,20 @@ def _resolve(config: KVCacheConfig, strict: bool, debug: bool) -> dict[str, Any]
     try:
         return registry.resolve_config(config).as_dict()
     except (UnknownComponentError, ValidationError) as exc:
-        raise fail(exc, EXIT_BAD_CONFIG, debug) from None
+        raise fail(_name_the_variable(exc), EXIT_BAD_CONFIG, debug) from None
+
+
+def _name_the_variable(exc: UnknownComponentError | ValidationError) -> Exception:
+    """The error, with the ``KVPLUG_*`` variable behind it named when one is."""
+    if isinstance(exc, ValidationError):
+        locs = [error["loc"] for error in exc.errors()]
+    else:
+        locs = [(kind.field, "name") for kind in COMPONENT_KINDS if kind.label == exc.label]
+    for loc in locs:
+        var = variable_for(loc)
+        if var is not None:
+            return ConfigError(f"{one_line(exc)} (set by {var}={os.environ[var]!r})")
+    return exc
 
 
 def _resolve_file(path: Path, strict: bool, debug: bool) -> dict[str, Any]:

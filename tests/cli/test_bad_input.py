@@ -243,3 +243,44 @@ def test_available_devices_do_not_warn(run):
     assert result.exit_code == 0 and result.stderr == ""
     auto = run("config", "validate", str(EXAMPLES / "default.toml"))
     assert auto.exit_code == 0 and auto.stderr == ""
+
+
+RESOLVE_VARIABLES = {
+    "unknown-name": (
+        {"KVPLUG_EVICTION_POLICY": "lruu"},
+        "unknown eviction policy 'lruu'",
+        "(set by KVPLUG_EVICTION_POLICY='lruu')",
+    ),
+    "bad-plugin-option": (
+        {
+            "KVPLUG_EVICTION_POLICY": "slru",
+            "KVPLUG_EVICTION_POLICY_OPTIONS": '{"protected_hits": "x"}',
+        },
+        "eviction_policy.options.protected_hits:",
+        "(set by KVPLUG_EVICTION_POLICY_OPTIONS=",
+    ),
+    "bad-option-in-json-selection": (
+        {"KVPLUG_ALLOCATOR": '{"name": "paged", "options": {"bogus": 1}}'},
+        "allocator.options.bogus:",
+        "(set by KVPLUG_ALLOCATOR=",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESOLVE_VARIABLES))
+def test_a_resolution_error_names_the_variable(run, tmp_path, case):
+    env, problem, variable = RESOLVE_VARIABLES[case]
+    (tmp_path / "c.toml").write_text("[pool]\ndevice = 'cpu'\n")
+    before = snapshot(tmp_path)
+    result = run("config", "show", "c.toml", env=env)
+    assert_one_line_error(result, tmp_path, before, problem, variable)
+
+
+def test_an_option_from_the_file_is_not_blamed_on_a_name_variable(run, tmp_path):
+    (tmp_path / "c.toml").write_text(
+        '[eviction_policy]\nname = "slru"\noptions = { protected_hits = "x" }\n'
+    )
+    before = snapshot(tmp_path)
+    result = run("config", "validate", "c.toml", env={"KVPLUG_EVICTION_POLICY": "slru"})
+    assert_one_line_error(result, tmp_path, before, "eviction_policy.options.protected_hits:")
+    assert "set by" not in result.stderr

@@ -232,6 +232,8 @@ class Engine:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         for req in list(self.waiting):
+            if len(adder.can_run_list) >= self.req_pool.available_size():
+                break  # the scheduler admits no more requests than it has request rows
             req.init_next_round_input(self.tree)
             result = adder.add_one_req(
                 req, has_chunked_req=self.chunked_req is not None, truncation_align_size=None

@@ -97,3 +97,24 @@ def test_an_unsupported_sglang_release_registers_nothing(
         assert register() is False
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "sglang>=0.5.22,<0.5.24" in errors[0].getMessage()
+
+
+def test_an_unknown_kvplug_policy_lists_the_valid_ones() -> None:
+    from kvplug.integrations.sglang.config import policy_selection
+
+    with pytest.raises(UnsupportedSGLangError, match="kvplug_lru, kvplug_mru"):
+        policy_selection("kvplug_nope", None)
+
+
+def test_another_allocator_is_refused() -> None:
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.registry import create_tree_cache
+
+    class Custom(TokenToKVPoolAllocator):
+        pass
+
+    args = parse_server_args("--radix-cache-backend", "kvplug")
+    ctx = build_context(args, 64)
+    ctx.params.token_to_kv_pool_allocator.__class__ = Custom
+    with pytest.raises(UnsupportedSGLangError, match="Custom allocator"):
+        create_tree_cache(ctx)

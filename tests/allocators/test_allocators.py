@@ -625,6 +625,24 @@ def test_paged_extend_and_decode_match_a_token_by_token_reference(page_size, req
     assert out.tolist() == expected
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_paged_extend_of_one_request_equals_the_batched_path(page_size):
+    """One request takes a shortcut (a few torch calls); it must give the batched result."""
+    for pre in (0, 1, 3, 4, 5, 8):
+        for ext in (0, 1, 3, 4, 5, 9):
+            one, two = paged(24 * page_size, page_size), paged(24 * page_size, page_size)
+            one.alloc(3 * page_size), two.alloc(3 * page_size)  # pages 1..3 are taken
+            last = -1
+            if pre:
+                prefix = one.alloc_extend(t(0), t(pre), t(-1), pre)
+                assert two.alloc_extend(t(0, 0), t(pre, 0), t(-1, -1), pre).equal(prefix)
+                last = int(prefix[-1])
+            out = one.alloc_extend(t(pre), t(pre + ext), t(last), ext)
+            # an empty second request puts the same call on the batched path
+            assert out.equal(two.alloc_extend(t(pre, 0), t(pre + ext, 0), t(last, -1), ext))
+            assert one.available_size() == two.available_size()
+
+
 def test_paged_from_geometry():
     g = PoolGeometry(
         capacity_tokens=64, page_size=16, num_layers=1, kv_heads=1, head_dim=4, device="cpu"

@@ -94,6 +94,14 @@ class Request:
         """The given (or synthetic) next output token, for a run without a model."""
         return self.next_output_token_at(len(self.output))
 
+    def next_output_tokens(self, count: int) -> list[int]:
+        """The next ``count`` given (or synthetic) output tokens."""
+        k = len(self.output)
+        if self.output_tokens is not None:
+            return [int(t) for t in self.output_tokens[k : k + count]]
+        first = synthetic_output_token(self.request_id, k)
+        return list(range(first, first + count))
+
     def next_output_token_at(self, k: int) -> int:
         """The given (or synthetic) ``k``-th output token."""
         if self.output_tokens is not None:

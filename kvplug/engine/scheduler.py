@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from kvplug_hookspecs import CacheKey, FrozenModel
+from kvplug_hookspecs import CacheKey, EvictParams, FrozenModel
 
 from ..eviction import evict_from_tree_cache
 from ..stack import KVCacheStack
@@ -60,6 +60,7 @@ class SchedulerOptions(FrozenModel):
     max_running: int = Field(256, ge=1)
     max_prefill_tokens: int | None = Field(None, ge=1)
     cache_output: bool = True
+    eviction: Literal["shortfall", "full"] = "shortfall"
     debug: bool = False
     step_overhead_us: float = Field(500.0, ge=0)
     prefill_us_per_token: float = Field(20.0, ge=0)
@@ -200,7 +201,7 @@ class Scheduler:
         tokens = sum(
             (self._pages(r.computed + steps) - self._pages(r.computed)) * ps for r in running
         )
-        evict_from_tree_cache(self.cache, tokens)
+        self._evict(tokens)
         device = self.device
         computed = torch.tensor([r.computed for r in running], device=device)
         last_loc = torch.stack([r.slots[-1] for r in running])  # type: ignore[index]
@@ -213,10 +214,7 @@ class Scheduler:
         for j, request in enumerate(running):
             assert request.slots is not None
             request.slots = torch.cat([request.slots, new[j * steps : (j + 1) * steps]])
-            request.output.extend(
-                request.next_output_token_at(k)
-                for k in range(len(request.output), len(request.output) + steps)
-            )
+            request.output.extend(request.next_output_tokens(steps))
             request.computed += steps
         return True
 
@@ -264,6 +262,20 @@ class Scheduler:
             )
         return None
 
+    def _evict(self, num_tokens: int) -> None:
+        """Make room for ``num_tokens`` slots: exactly the shortfall (or, as the ``full``
+        baseline, all ``num_tokens`` whenever anything is short)."""
+        if self.options.eviction == "shortfall":
+            evict_from_tree_cache(self.cache, num_tokens)
+            return
+        shortfall = self.allocator.shortfall(num_tokens)
+        if shortfall is not None and not self.cache.is_chunk_cache:
+            stats = getattr(self.cache, "stats", None)
+            result = self.cache.evict(EvictParams(num_tokens=num_tokens))
+            if stats is not None:
+                stats.shortfall_requested_tokens += shortfall.num_tokens
+                stats.shortfall_freed_tokens += result.num_tokens
+
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
@@ -275,7 +287,7 @@ class Scheduler:
         prefix_len = match.prefix_len
         cache.inc_lock_ref(match.last_node)
         need = (self._pages(request.prompt_len) - self._pages(prefix_len)) * ps
-        evict_from_tree_cache(cache, need)
+        self._evict(need)
         device = self.device
         prefix_slots = match.device_indices
         last = int(prefix_slots[-1]) if prefix_len else -1
@@ -312,7 +324,7 @@ class Scheduler:
         while need:
             t0 = time.perf_counter()
             tokens = sum(ps for r in need if r.computed % ps == 0)
-            evict_from_tree_cache(self.cache, tokens)
+            self._evict(tokens)
             assert all(r.slots is not None for r in need)
             seq_lens = torch.tensor([r.computed + 1 for r in need], device=self.device)
             last_loc = torch.stack([r.slots[-1] for r in need])  # type: ignore[index]

@@ -1,0 +1,98 @@
+"""What every trace reader yields: one :class:`TraceRequest` per request, in arrival order.
+
+Block-structured traces (Mooncake, the synthetic generator) describe a prompt as block ids: an
+id stands for the whole prefix up to and including its block, so equal ids mean a reusable
+prefix. :func:`block_tokens` maps an id to ``block_size`` deterministic tokens that no other id
+shares, so equal ids give equal tokens and different ids never collide, and the id can be read
+back from any token (the simulator's offline optimum uses that). Prompts materialise lazily
+(:class:`BlockPrompt`): a 1 GB trace streams, and only the requests in flight hold tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import overload
+
+from ..errors import KvplugError
+
+__all__ = ["BlockPrompt", "TraceError", "TraceRequest", "block_id_of", "block_tokens"]
+
+
+class TraceError(KvplugError, ValueError):
+    """A malformed trace line; the message names the file and line."""
+
+
+def block_tokens(block_id: int, block_size: int, length: int | None = None) -> list[int]:
+    """The tokens of block ``block_id`` (its first ``length`` when the block is partial)."""
+    first = block_id * block_size + 1  # token 0 is never used: engines pad with it
+    return list(range(first, first + (block_size if length is None else length)))
+
+
+def block_id_of(token: int, block_size: int) -> int:
+    """The block id a token of :func:`block_tokens` came from."""
+    return (token - 1) // block_size
+
+
+class BlockPrompt(Sequence[int]):
+    """A prompt given as block ids. Its tokens are made on first access and kept while the
+    prompt lives (a request in flight), so a streamed trace holds tokens only for those."""
+
+    __slots__ = ("_tokens", "block_ids", "block_size", "length")
+
+    def __init__(self, block_ids: Sequence[int], length: int, block_size: int) -> None:
+        self.block_ids = tuple(block_ids)
+        self.length = length
+        self.block_size = block_size
+        self._tokens: list[int] | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def tokens(self) -> list[int]:
+        """All tokens, as a list (made once)."""
+        if self._tokens is None:
+            size, n = self.block_size, self.length
+            out: list[int] = []
+            for j, block_id in enumerate(self.block_ids):
+                first = block_id * size + 1  # as block_tokens(), without a list per block
+                out.extend(range(first, first + min(size, n - j * size)))
+            self._tokens = out
+        return self._tokens
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self.tokens()[index]
+        if index < 0:
+            index += self.length
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        block, offset = divmod(index, self.block_size)
+        return self.block_ids[block] * self.block_size + 1 + offset
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tokens())
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace. ``prompt`` is a token sequence (a :class:`BlockPrompt` for
+    block-structured traces); ``output`` the answer's tokens when the trace knows them (the
+    synthetic generator does, so a next turn can reuse them), else ``None``."""
+
+    index: int
+    timestamp_ms: float
+    prompt: Sequence[int]
+    output_length: int
+    extra_key: str | None = None
+    output: Sequence[int] | None = None
+
+    @property
+    def block_ids(self) -> tuple[int, ...] | None:
+        """The prompt's block ids, for block-structured traces."""
+        prompt = self.prompt
+        return prompt.block_ids if isinstance(prompt, BlockPrompt) else None

@@ -1,4 +1,4 @@
-"""Shared fixtures: fake installed distributions for the entry-point tests."""
+"""Shared fixtures: fake installed distributions for the entry-point tests, the shared trace."""
 
 from __future__ import annotations
 
@@ -10,6 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvplug.registry import reset_registry
+
+_TRACE = Path("shared", "traces", "mooncake_conversation_trace.jsonl")
+MOONCAKE_TRACE = next(
+    (folder / _TRACE for folder in Path(__file__).resolve().parents if (folder / _TRACE).exists()),
+    Path("..", _TRACE),
+)
+"""The real Mooncake trace in ``../shared/traces`` beside the clone (never copied into it)."""
 
 
 @pytest.fixture(autouse=True)

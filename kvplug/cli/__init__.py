@@ -6,7 +6,7 @@ stderr; ``--debug`` shows the traceback.
 
 from __future__ import annotations
 
-from . import config, plugins, serve_example  # noqa: F401  (each module registers its commands on ``app``)
+from . import config, plugins, serve_example, simulate  # noqa: F401  (each module registers its commands on ``app``)
 from .app import app
 
 __all__ = ["app", "main"]

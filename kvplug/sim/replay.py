@@ -35,6 +35,7 @@ __all__ = [
     "RunSpec",
     "SimulationError",
     "TraceSource",
+    "check_names",
     "parse_capacity",
     "run_one",
     "trace_summary",
@@ -175,6 +176,7 @@ class RunSpec(FrozenModel):
     eviction: Literal["shortfall", "full"] = "shortfall"
     cache_output: bool = True
     cost: PrefillCost = PrefillCost()
+    debug: bool = False  # check conservation after every scheduler step (slow; for tests)
 
 
 def _stack_config(spec: RunSpec) -> KVCacheConfig:
@@ -194,6 +196,17 @@ def _stack_config(spec: RunSpec) -> KVCacheConfig:
     if spec.policy != BELADY:
         data["eviction_policy"] = {"name": spec.policy, "options": {}}
     return load_config(data)
+
+
+def check_names(spec: RunSpec, policies: list[str]) -> None:
+    """Resolve the config and every policy name now, so a typo fails before any run starts."""
+    from ..registry import get_registry
+
+    registry = get_registry()
+    registry.resolve_config(_stack_config(spec.model_copy(update={"policy": "lru"})))
+    for policy in policies:
+        if policy != BELADY:
+            registry.get("eviction_policy", policy)
 
 
 def _belady_stack(stack: KVCacheStack, oracle: BeladyOracle) -> KVCacheStack:
@@ -233,7 +246,7 @@ def run_one(spec: RunSpec) -> RunResult:
             oracle.now = request.request_id
 
     options = SchedulerOptions(
-        timing=spec.timing, cache_output=spec.cache_output, eviction=spec.eviction
+        timing=spec.timing, cache_output=spec.cache_output, eviction=spec.eviction, debug=spec.debug
     )
     scheduler = Scheduler(stack, None, options, on_admit=on_admit)
     cost = spec.cost

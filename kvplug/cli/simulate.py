@@ -1,0 +1,228 @@
+"""``kvplug simulate``: replay a trace through every policy x capacity and report hit rates.
+
+With no arguments it runs the seeded synthetic chat workload on the default config at three
+capacities, the built-in policies and Belady's offline optimum, in well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..config import read_config_file
+from ..errors import ConfigError, UnknownComponentError
+from ..sim import (
+    BELADY,
+    PrefillCost,
+    RunResult,
+    RunSpec,
+    SimulationError,
+    TraceSource,
+    parse_capacity,
+    run_grid,
+    trace_summary,
+)
+from ..sim.report import PlotUnavailable, results_table, write_csv, write_json, write_plot
+from ..traces import PRESETS, TraceError
+from .app import EXIT_BAD_CONFIG, DebugOption, app, err, fail, out
+
+DEFAULT_POLICIES = "lru,lfu,fifo,slru"
+DEFAULT_CAPACITIES = "5%,10%,25%"
+
+
+def _detect_format(path: Path) -> str:
+    """``mooncake`` when the first record has ``hash_ids``, ``tokens`` when it has
+    ``token_ids``."""
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                if isinstance(record, dict) and "token_ids" in record:
+                    return "tokens"
+                return "mooncake"
+    return "mooncake"
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+@app.command("simulate")
+def simulate_command(
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="A Mooncake or token JSONL trace.")
+    ] = None,
+    trace_format: Annotated[
+        str | None, typer.Option("--format", help="mooncake or tokens (default: detected).")
+    ] = None,
+    synthetic: Annotated[
+        str,
+        typer.Option(
+            "--synthetic", help=f"Synthetic preset without --trace: {', '.join(PRESETS)}."
+        ),
+    ] = "chat",
+    config: Annotated[
+        Path | None, typer.Option("--config", help="Engine config (cache, allocator, options).")
+    ] = None,
+    policy: Annotated[
+        str, typer.Option("--policy", help="Comma-separated eviction policies.")
+    ] = DEFAULT_POLICIES,
+    capacity: Annotated[
+        str,
+        typer.Option(
+            "--capacity", help="Comma-separated capacities: tokens (K/M/G) or % of unique."
+        ),
+    ] = DEFAULT_CAPACITIES,
+    page_size: Annotated[int | None, typer.Option("--page-size", min=1)] = None,
+    timing: Annotated[
+        str, typer.Option("--timing", help="sequential (one request at a time) or trace.")
+    ] = "sequential",
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="First N requests.")] = None,
+    jobs: Annotated[int, typer.Option("--jobs", min=1, help="Worker processes.")] = 2,
+    belady: Annotated[
+        bool, typer.Option("--belady/--no-belady", help="Add the offline optimum.")
+    ] = True,
+    baseline: Annotated[
+        str | None, typer.Option("--baseline", help="full-eviction: also replay the pre-fix bug.")
+    ] = None,
+    insert: Annotated[
+        str, typer.Option("--insert", help="prompt+output (SGLang's order) or prompt.")
+    ] = "prompt+output",
+    block_size: Annotated[
+        int, typer.Option("--block-size", min=1, help="Tokens per Mooncake hash id.")
+    ] = 512,
+    skip_bad: Annotated[
+        bool, typer.Option("--skip-bad", help="Skip malformed trace lines and count them.")
+    ] = False,
+    cost_linear: Annotated[float, typer.Option("--cost-linear", min=0)] = 1.0,
+    cost_quadratic: Annotated[float, typer.Option("--cost-quadratic", min=0)] = 1.0 / 4096,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    csv_path: Annotated[Path | None, typer.Option("--csv", help="Write results as CSV.")] = None,
+    plot_path: Annotated[
+        Path | None, typer.Option("--plot", help="Write a hit-rate PNG (needs kvplug[sim]).")
+    ] = None,
+    debug: DebugOption = False,
+) -> None:
+    """Replay a trace through real kvplug stacks: hit rate, evictions, over-eviction per
+    policy and capacity, with Belady's offline optimum beside them."""
+    try:
+        if timing not in ("sequential", "trace"):
+            raise SimulationError(f"--timing must be sequential or trace, got {timing!r}")
+        if insert not in ("prompt+output", "prompt"):
+            raise SimulationError(f"--insert must be prompt+output or prompt, got {insert!r}")
+        if baseline not in (None, "full-eviction"):
+            raise SimulationError(f"--baseline must be full-eviction, got {baseline!r}")
+        if trace is None:
+            source = TraceSource(kind="synthetic", preset=synthetic, limit=limit)
+            source.spec()
+        else:
+            if trace.is_dir():
+                raise SimulationError(f"--trace {str(trace)!r} is a directory, not a trace file")
+            if not trace.exists():
+                raise SimulationError(f"--trace {str(trace)!r} does not exist")
+            kind = trace_format or _detect_format(trace)
+            if kind not in ("mooncake", "tokens"):
+                raise SimulationError(f"--format must be mooncake or tokens, got {kind!r}")
+            source = TraceSource(
+                kind=kind, path=str(trace), block_size=block_size, limit=limit, skip_bad=skip_bad
+            )
+        config_data: dict[str, Any] = read_config_file(config) if config else {}
+        summary = trace_summary(source)
+        if summary.requests == 0:
+            raise SimulationError(f"the trace {source.name} has no requests")
+        capacities = [parse_capacity(c, summary.unique_tokens) for c in _split(capacity)]
+        policies = _split(policy)
+        if belady and source.kind != "tokens" and BELADY not in policies:
+            policies.append(BELADY)
+        cost = PrefillCost(linear=cost_linear, quadratic=cost_quadratic)
+        specs = [
+            RunSpec(
+                source=source,
+                config=config_data,
+                policy=p,
+                capacity_tokens=c,
+                page_size=page_size,
+                timing=timing,
+                cache_output=insert == "prompt+output",
+                cost=cost,
+            )
+            for c in capacities
+            for p in policies
+        ]
+        if baseline:
+            specs += [
+                s.model_copy(update={"eviction": "full"}) for s in specs if s.policy == policies[0]
+            ]
+        for s in specs[:1]:  # names and options are checked before any worker starts
+            from ..sim.replay import _stack_config
+
+            _stack_config(
+                s.model_copy(update={"policy": policies[0] if policies[0] != BELADY else "lru"})
+            )
+        from ..registry import get_registry
+
+        registry = get_registry()
+        for p in policies:
+            if p != BELADY:
+                registry.get("eviction_policy", p)
+    except (
+        SimulationError,
+        TraceError,
+        ConfigError,
+        UnknownComponentError,
+        ValidationError,
+    ) as exc:
+        raise fail(exc, EXIT_BAD_CONFIG, debug) from None
+    except OSError as exc:
+        raise fail(exc, EXIT_BAD_CONFIG, debug) from None
+
+    if summary.skipped:
+        err.print(f"skipped {len(summary.skipped)} malformed line(s); first: {summary.skipped[0]}")
+    results: list[RunResult] = []
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("simulating", total=len(specs))
+        try:
+            results = run_grid(specs, jobs=jobs, on_result=lambda r: progress.advance(task))
+        except (SimulationError, TraceError) as exc:
+            raise fail(exc, EXIT_BAD_CONFIG, debug) from None
+    title = (
+        f"{source.name}: {summary.requests:,} requests, {summary.prompt_tokens:,} prompt tokens "
+        f"({summary.unique_tokens:,} unique), {timing} timing"
+    )
+    wide = Console(soft_wrap=True, width=None if out.is_terminal else 160)
+    wide.print(results_table(results, title))
+    meta = {
+        "trace": source.name,
+        "requests": summary.requests,
+        "prompt_tokens": summary.prompt_tokens,
+        "unique_tokens": summary.unique_tokens,
+        "skipped_lines": len(summary.skipped),
+        "timing": timing,
+        "insert": insert,
+        "cost": cost.model_dump(),
+    }
+    if json_path:
+        write_json(results, json_path, meta)
+    if csv_path:
+        write_csv(results, csv_path)
+    if plot_path:
+        try:
+            write_plot(results, plot_path, title=source.name)
+        except PlotUnavailable as exc:
+            raise fail(exc, EXIT_BAD_CONFIG, debug) from None

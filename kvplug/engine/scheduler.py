@@ -22,6 +22,7 @@ allocator: it drives the same public calls an engine makes.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -106,6 +107,9 @@ class Scheduler:
         self.page_size = self.allocator.page_size
         self.cache_page = getattr(self.cache, "page_size", self.page_size)
         self.is_swa = hasattr(self.allocator, "swa_available_size")
+        self.cache_any: Any = self.cache
+        # caches that can match without counting a hit (the agreed ``record_hit`` keyword)
+        self._can_probe = "record_hit" in inspect.signature(self.cache.match_prefix).parameters
         self.device = self.allocator.device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -283,7 +287,11 @@ class Scheduler:
         cache, allocator, ps = self.cache, self.allocator, self.page_size
         t0 = time.perf_counter()
         # at most len - 1 tokens: the last prompt token is always computed, to sample from it
-        match = cache.match_prefix(CacheKey(request.prompt[:-1], request.extra_key))
+        key = CacheKey(request.prompt[:-1], request.extra_key)
+        if self.running and self._can_probe and not self._room_for(request, key):
+            self.stats.cache_seconds += time.perf_counter() - t0
+            return False
+        match = cache.match_prefix(key)
         prefix_len = match.prefix_len
         cache.inc_lock_ref(match.last_node)
         need = (self._pages(request.prompt_len) - self._pages(prefix_len)) * ps
@@ -314,6 +322,25 @@ class Scheduler:
         if self.on_admit is not None:
             self.on_admit(request)
         return True
+
+    def _room_for(self, request: Request, key: CacheKey) -> bool:
+        """Whether free + evictable slots cover the request once its prefix is locked, asked
+        without side effects (a probe match counts no hit and nothing is evicted), as SGLang's
+        admission checks before it evicts: a request that keeps waiting for memory must not
+        count a hit, or evict, on every retry. With nothing running it always fits."""
+        cache, allocator, ps = self.cache, self.allocator, self.page_size
+        probe = self.cache_any.match_prefix(key, record_hit=False, gather=False)
+        need = (self._pages(request.prompt_len) - self._pages(probe.prefix_len)) * ps
+        cache.inc_lock_ref(probe.last_node)
+        try:
+            if self.is_swa:
+                return bool(
+                    allocator.full_available_size() + cache.evictable_size() >= need
+                    and allocator.swa_available_size() + self.cache_any.swa_evictable_size() >= need
+                )
+            return bool(allocator.available_size() + cache.evictable_size() >= need)
+        finally:
+            cache.dec_lock_ref(probe.last_node)
 
     # -- decode memory -----------------------------------------------------------------------
 

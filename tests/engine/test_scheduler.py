@@ -150,3 +150,26 @@ def test_serve_request_is_the_one_shot_lifecycle():
     assert serve_request(stack, [1, 2, 3, 4, 9], write_kv).prefix_len == 4
     assert written == [([1, 2, 3, 4, 5, 6], 0), ([7], 4)]
     assert stack.prefix_cache.total_size() == 7
+
+
+def test_a_request_waiting_for_memory_counts_its_hit_once_and_evicts_nothing_meanwhile():
+    """Capacity 40. R0 caches x (8 tokens). R1 (20 tokens, 6 outputs) runs for 6 steps holding
+    20..25 slots. R2 = x + 20 new tokens arrives with R1: locked x + R1's 20 leave 12 free and
+    nothing evictable, so R2 waits until R1 finishes. Each retry is a probe (as SGLang checks
+    free + evictable before it evicts): the cache sees 3 queries and one 8-token hit, not one
+    per retry, and nothing is evicted or requested until R2 fits."""
+    stack = _stack(40)
+    x = list(range(1, 9))
+    requests = [
+        Request(0, x, 1, arrival_ms=0.0),
+        Request(1, list(range(100, 120)), 6, arrival_ms=100.0),
+        Request(2, [*x, *range(200, 220)], 1, arrival_ms=100.0),
+    ]
+    scheduler = Scheduler(stack, None, SchedulerOptions(timing="trace", debug=True))
+    scheduler.run(requests)
+    stats = stack.prefix_cache.stats
+    assert (scheduler.stats.hit_tokens, scheduler.stats.finished) == (8, 3)
+    assert (stats.match_queries, stats.hit_tokens) == (3, 8)
+    # R1 finished caching 20 + 5 tokens beside x with 7 slots free: R2's shortfall is 13,
+    # cut from R1's leaf (x is locked), requested once
+    assert (stats.shortfall_requested_tokens, stats.evicted_tokens) == (13, 13)

@@ -10,13 +10,22 @@ back from any token (the simulator's offline optimum uses that). Prompts materia
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 from ..errors import KvplugError
 
-__all__ = ["BlockPrompt", "TraceError", "TraceRequest", "block_id_of", "block_tokens"]
+__all__ = [
+    "BlockPrompt",
+    "TraceError",
+    "TraceRequest",
+    "block_id_of",
+    "block_tokens",
+    "read_records",
+]
 
 
 class TraceError(KvplugError, ValueError):
@@ -96,3 +105,45 @@ class TraceRequest:
         """The prompt's block ids, for block-structured traces."""
         prompt = self.prompt
         return prompt.block_ids if isinstance(prompt, BlockPrompt) else None
+
+
+Parse = Callable[[dict[str, Any], int, float], TraceRequest]
+
+
+def read_records(
+    path: str | os.PathLike[str],
+    parse: Parse,
+    *,
+    limit: int | None,
+    skip_bad: bool,
+    skipped: list[str] | None,
+) -> Iterator[TraceRequest]:
+    """Stream a JSONL trace: each non-blank line is a JSON object that ``parse(record, index,
+    previous_timestamp)`` turns into a request. A bad line raises :class:`TraceError` naming the
+    file and line, or with ``skip_bad`` is skipped and described in ``skipped``."""
+    previous = 0.0
+    index = 0
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if limit is not None and index >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"not valid JSON ({exc.msg})") from None
+                if not isinstance(record, dict):
+                    raise TraceError("a line must be a JSON object")
+                request = parse(record, index, previous)
+            except TraceError as exc:
+                message = f"{os.fspath(path)}:{number}: {exc}"
+                if not skip_bad:
+                    raise TraceError(message) from None
+                if skipped is not None:
+                    skipped.append(message)
+                continue
+            previous = request.timestamp_ms
+            index += 1
+            yield request

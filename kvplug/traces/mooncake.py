@@ -6,12 +6,11 @@ whole prefix up to it; the last block may be partial. Lines stream one at a time
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
 
-from .base import BlockPrompt, TraceError, TraceRequest
+from .base import BlockPrompt, TraceError, TraceRequest, read_records
 
 __all__ = ["read_mooncake"]
 
@@ -28,26 +27,11 @@ def read_mooncake(
     and line, or with ``skip_bad`` is skipped and described in ``skipped``."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    previous = float("-inf")
-    index = 0
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if limit is not None and index >= limit:
-                return
-            if not line.strip():
-                continue
-            try:
-                request = _parse(line, index, block_size, previous)
-            except TraceError as exc:
-                message = f"{os.fspath(path)}:{number}: {exc}"
-                if not skip_bad:
-                    raise TraceError(message) from None
-                if skipped is not None:
-                    skipped.append(message)
-                continue
-            previous = request.timestamp_ms
-            index += 1
-            yield request
+
+    def parse(record: dict[str, Any], index: int, previous: float) -> TraceRequest:
+        return _parse(record, index, block_size, previous)
+
+    return read_records(path, parse, limit=limit, skip_bad=skip_bad, skipped=skipped)
 
 
 def _int(record: dict[str, Any], field: str, minimum: int) -> int:
@@ -59,13 +43,7 @@ def _int(record: dict[str, Any], field: str, minimum: int) -> int:
     return value
 
 
-def _parse(line: str, index: int, block_size: int, previous: float) -> TraceRequest:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"not valid JSON ({exc.msg})") from None
-    if not isinstance(record, dict):
-        raise TraceError("a line must be a JSON object")
+def _parse(record: dict[str, Any], index: int, block_size: int, previous: float) -> TraceRequest:
     timestamp = record.get("timestamp")
     if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool) or timestamp < 0:
         raise TraceError(f"timestamp must be a number >= 0, got {timestamp!r}")

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
-from .base import TraceError, TraceRequest
+from .base import TraceError, TraceRequest, read_records
 
 __all__ = ["read_token_jsonl"]
 
@@ -20,35 +20,10 @@ def read_token_jsonl(
     skipped: list[str] | None = None,
 ) -> Iterator[TraceRequest]:
     """Yield the trace's requests; errors name the file and line (see ``read_mooncake``)."""
-    previous = 0.0
-    index = 0
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if limit is not None and index >= limit:
-                return
-            if not line.strip():
-                continue
-            try:
-                request = _parse(line, index, previous)
-            except TraceError as exc:
-                message = f"{os.fspath(path)}:{number}: {exc}"
-                if not skip_bad:
-                    raise TraceError(message) from None
-                if skipped is not None:
-                    skipped.append(message)
-                continue
-            previous = request.timestamp_ms
-            index += 1
-            yield request
+    return read_records(path, _parse, limit=limit, skip_bad=skip_bad, skipped=skipped)
 
 
-def _parse(line: str, index: int, previous: float) -> TraceRequest:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"not valid JSON ({exc.msg})") from None
-    if not isinstance(record, dict):
-        raise TraceError("a line must be a JSON object")
+def _parse(record: dict[str, Any], index: int, previous: float) -> TraceRequest:
     tokens = record.get("token_ids")
     if not isinstance(tokens, list) or not tokens:
         raise TraceError("token_ids must be a non-empty list of integers")

@@ -15,6 +15,7 @@ __all__ = [
     "DuplicateComponentError",
     "KvplugError",
     "PluginError",
+    "PolicyError",
     "UnknownComponentError",
 ]
 
@@ -29,6 +30,11 @@ class ConfigError(KvplugError, ValueError):
 
 class PluginError(KvplugError):
     """A plugin could not be loaded or conflicts with another (CLI exit code 3)."""
+
+
+class PolicyError(PluginError):
+    """An eviction policy raised (or broke its contract) inside a cache operation; the cache
+    and allocator were restored to their state before the call. ``__cause__`` is the error."""
 
 
 class DuplicateComponentError(PluginError):

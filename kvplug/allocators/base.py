@@ -2,11 +2,16 @@
 
 Cost model (documented in the README): ``alloc``/``free`` are a few device ops each and never
 reallocate. Checks that only read tensor metadata (type, dtype, rank, device) always run, at the
-call. The range check of freed indices (``check_bounds``, on by default) reduces the indices and
-reads two numbers back: one host sync per ``free`` call, or per free group, whose indices are
-checked together at ``free_group_end``. Turn it off where a sync would stall an overlap
-scheduler. ``debug_checks`` checks every call at once and adds a device mask of free ids that
-catches double frees.
+call. The value checks of freed indices reduce them on the device and read a few numbers back:
+one host sync per ``free`` call, or per free group, whose indices are checked together at
+``free_group_end``. They are the range check (``check_bounds``) and, by default, the ownership
+check (``ownership_checks``): a device int8 state per slot (per page when paged), ``FREE`` ->
+``HELD`` on alloc, ``HELD`` -> ``CACHED`` when a prefix cache takes the slot
+(``take_ownership``), back to ``FREE`` on free. A double free, a free of a slot never allocated
+or a slot given twice in one call is then an error and nothing changes; it costs one scatter per
+alloc and free and two gathers per free, inside the same sync. Turn both off where a sync would
+stall an overlap scheduler and the engine proves ownership itself. ``debug_checks`` checks every
+call of a free group at once instead of at its end.
 """
 
 from __future__ import annotations
@@ -23,14 +28,36 @@ from kvplug_hookspecs import EvictParams, FrozenModel
 
 from ..pools import check_index_tensor, resolve_device
 
-__all__ = ["AllocatorCheckOptions", "BaseAllocator", "FreeIdStack", "check_size"]
+__all__ = [
+    "CACHED",
+    "FREE",
+    "HELD",
+    "AllocatorCheckOptions",
+    "BaseAllocator",
+    "FreeIdStack",
+    "check_size",
+]
+
+# Owner of a slot (or page) in the ownership state: free, held by the caller that allocated it,
+# or cached (owned by the prefix cache).
+FREE, HELD, CACHED = 0, 1, 2
+_STATE_NAMES = {FREE: "free", HELD: "held by a request", CACHED: "owned by the cache"}
 
 
 class AllocatorCheckOptions(FrozenModel):
     """Safety checks every built-in allocator offers."""
 
+    ownership_checks: bool = Field(
+        True,
+        strict=True,
+        description="track each slot's owner (free / held / cached) on the device: reject double "
+        "frees, frees of never-allocated slots, duplicates within one call, and a cache taking "
+        "slots the caller does not hold; turn off only when the engine proves ownership itself",
+    )
     debug_checks: bool = Field(
-        False, strict=True, description="track free slots on the device and reject double frees"
+        False,
+        strict=True,
+        description="check every free of a free group at the call (also tracks ownership)",
     )
     check_bounds: bool = Field(
         True,
@@ -58,7 +85,8 @@ class FreeIdStack:
     The free ids are ``ids[top:]``: ``pop(n)`` hands out ``ids[top:top + n]`` and ``push``
     writes just below ``top``. Each is one slice copy, with no ``torch.cat`` and no
     reallocation (vLLM's O(1) free list, on a device tensor); recently freed ids are reused first.
-    ``track=True`` keeps a device bool mask ``is_free`` that rejects double frees (debug mode).
+    ``track=True`` keeps ``state``, a device int8 owner per id (``FREE``/``HELD``/``CACHED``);
+    ``pop`` marks ids ``HELD`` and ``push`` marks them ``FREE`` (callers check before pushing).
     """
 
     def __init__(
@@ -66,9 +94,7 @@ class FreeIdStack:
     ) -> None:
         self.first, self.count, self.unit = first, count, unit
         self._ids = torch.empty(count, dtype=torch.int64, device=device)
-        self.is_free = (
-            torch.empty(first + count, dtype=torch.bool, device=device) if track else None
-        )
+        self.state = torch.empty(first + count, dtype=torch.int8, device=device) if track else None
         self.top = 0
         self.reset()
 
@@ -76,9 +102,8 @@ class FreeIdStack:
         """Every id free again, in ascending order (the first ``pop`` returns ``first, ...``)."""
         torch.arange(self.first, self.first + self.count, out=self._ids)
         self.top = 0
-        if self.is_free is not None:
-            self.is_free.fill_(True)
-            self.is_free[: self.first] = False
+        if self.state is not None:
+            self.state.fill_(FREE)
 
     def __len__(self) -> int:
         return self.count - self.top
@@ -87,8 +112,8 @@ class FreeIdStack:
         """Take ``n <= len(self)`` ids as a new tensor (callers check the count first)."""
         out = self._ids[self.top : self.top + n].clone()
         self.top += n
-        if self.is_free is not None:
-            self.is_free.index_fill_(0, out, False)
+        if self.state is not None:
+            self.state.index_fill_(0, out, HELD)
         return out
 
     def rollback(self, top: int) -> None:
@@ -96,35 +121,30 @@ class FreeIdStack:
 
         ``pop`` leaves the ids in place below the new top, so moving the top back restores them.
         """
-        if self.is_free is not None and top < self.top:
-            self.is_free.index_fill_(0, self._ids[top : self.top], True)
+        if self.state is not None and top < self.top:
+            self.state.index_fill_(0, self._ids[top : self.top], FREE)
         self.top = top
 
     def push(self, ids: torch.Tensor) -> None:
-        """Return ids to the stack; raises (changing nothing) on a detectable double free."""
+        """Return ids to the stack; raises (changing nothing) when more are pushed than held.
+
+        Ownership was checked by the caller (``BaseAllocator._check_values``).
+        """
         n = ids.numel()
         if n > self.top:
             raise ValueError(
                 f"freeing {n} {self.unit}(s) but only {self.top} are allocated: "
                 "some are freed twice"
             )
-        if self.is_free is not None:
-            self._check_not_free(ids)
         self._ids[self.top - n : self.top] = ids
         self.top -= n
-        if self.is_free is not None:
-            self.is_free.index_fill_(0, ids, True)
+        if self.state is not None:
+            self.state.index_fill_(0, ids, FREE)
 
-    def _check_not_free(self, ids: torch.Tensor) -> None:
-        assert self.is_free is not None
-        already = self.is_free.index_select(0, ids)
-        if bool(already.any()):
-            raise ValueError(f"{self.unit} {int(ids[already][0])} is already free (double free)")
-        if ids.numel() > 1:
-            s = torch.sort(ids).values
-            dup = s[1:] == s[:-1]
-            if bool(dup.any()):
-                raise ValueError(f"{self.unit} {int(s[1:][dup][0])} is freed twice in one call")
+    def set_state(self, ids: torch.Tensor, value: int) -> None:
+        """Mark ids with an owner state (a no-op when ownership is not tracked)."""
+        if self.state is not None:
+            self.state.index_fill_(0, ids, value)
 
 
 class BaseAllocator:
@@ -132,7 +152,8 @@ class BaseAllocator:
 
     Subclasses set ``_low``/``_high`` (the valid slot range) and implement ``available_size``,
     ``alloc``, ``clear``, ``release`` (free already-checked indices; raise before changing
-    anything) and the ``alloc_mark`` / ``rollback_alloc`` pair (undo allocations exactly).
+    anything), the ``alloc_mark`` / ``rollback_alloc`` pair (undo allocations exactly) and
+    ``_owner_units`` (where the ownership state of slots lives).
     """
 
     def __init__(
@@ -144,6 +165,7 @@ class BaseAllocator:
         pool: Any,
         debug_checks: bool,
         check_bounds: bool,
+        ownership_checks: bool = True,
     ) -> None:
         if isinstance(size, bool) or not isinstance(size, int):
             raise TypeError(f"size must be an int, got {type(size).__name__}")
@@ -159,8 +181,16 @@ class BaseAllocator:
         self.pool = pool
         self.debug_checks = bool(debug_checks)
         self.check_bounds = bool(check_bounds)
+        self.ownership_checks = bool(ownership_checks)
+        self.tracks_ownership = self.ownership_checks or self.debug_checks
         self._low, self._high = page_size, size + page_size - 1
         self._free_group: list[torch.Tensor] | None = None
+        # scratch for the duplicate check: every position writes its number into its slot's cell
+        self._dup_scratch = (
+            torch.zeros(size + page_size, dtype=torch.int64, device=self.device)
+            if self.tracks_ownership
+            else None
+        )
 
     # -- to implement -------------------------------------------------------------------------
     def available_size(self) -> int:
@@ -177,6 +207,44 @@ class BaseAllocator:
     def rollback_alloc(self, mark: int) -> None:
         """Undo the allocations made since ``alloc_mark()`` (nothing may be freed in between)."""
         raise NotImplementedError
+
+    def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
+        """The stack that tracks these (in-range) slots' owner, and their ids in it."""
+        raise NotImplementedError
+
+    # -- ownership -----------------------------------------------------------------------------
+    def take_ownership(self, indices: torch.Tensor) -> None:
+        """A prefix cache now owns these slots: each must be held by the caller (``HELD`` ->
+        ``CACHED``). Raises naming the first bad slot, changing nothing; so the same slots
+        inserted under a second key are rejected. A no-op without ownership tracking."""
+        self._change_owner(indices, HELD, CACHED)
+
+    def release_ownership(self, indices: torch.Tensor) -> None:
+        """Hand cached slots back to the caller (``CACHED`` -> ``HELD``), e.g. an adapter
+        whose engine frees them itself. Raises naming the first slot not cached, changing
+        nothing."""
+        self._change_owner(indices, CACHED, HELD)
+
+    def owner_state(self, indices: torch.Tensor) -> torch.Tensor:
+        """The owner state (``FREE``/``HELD``/``CACHED``, int8) of each in-range slot: for
+        checks and tests. Raises when ownership is not tracked."""
+        if not self.tracks_ownership:
+            raise RuntimeError("ownership is not tracked (ownership_checks=False)")
+        indices = self._check_indices(indices)
+        stack, units = self._owner_units(indices)
+        assert stack.state is not None
+        return stack.state.index_select(0, units)
+
+    def _change_owner(self, indices: torch.Tensor, old: int, new: int) -> None:
+        indices = self._check_indices(indices, values=False)
+        if not self.tracks_ownership or indices.numel() == 0:
+            return
+        self._check_values(indices, require=old)
+        self._set_owner(indices, new)
+
+    def _set_owner(self, indices: torch.Tensor, state: int) -> None:
+        stack, units = self._owner_units(indices)
+        stack.set_state(units, state)
 
     # -- freeing ------------------------------------------------------------------------------
     def free(self, indices: torch.Tensor) -> None:
@@ -198,16 +266,15 @@ class BaseAllocator:
     def free_group_end(self) -> None:
         """Release everything freed since ``free_group_begin`` at once, after one range check.
 
-        The group is closed even if a check fails (an index out of range, a debug-mode double
-        free): then nothing of the group is freed.
+        The group is closed even if a check fails (an index out of range, a double free, a slot
+        freed twice within the group): then nothing of the group is freed.
         """
         if self._free_group is None:
             raise RuntimeError("free_group_end() called without free_group_begin()")
         group, self._free_group = self._free_group, None
         if group:
             indices = group[0] if len(group) == 1 else torch.cat(group)
-            if not self.debug_checks:  # debug mode checked every call already
-                self._check_values(indices)
+            self._check_values(indices)  # the group as a whole: duplicates across calls
             self.release(indices)
 
     @contextmanager
@@ -244,21 +311,66 @@ class BaseAllocator:
             self._check_values(indices)
         return indices
 
-    def _check_values(self, indices: torch.Tensor) -> None:
-        """Range check (one host sync), skipped when neither check option asks for it."""
-        if not (self.check_bounds or self.debug_checks) or indices.numel() == 0:
+    def _check_values(self, indices: torch.Tensor, *, require: int | None = None) -> None:
+        """Range and ownership checks of slot indices, with one host sync for all of them.
+
+        ``require=None`` (a free): no slot may be ``FREE``; else every slot must be in state
+        ``require``. A slot given twice in one call is an error either way.
+        """
+        track = self.tracks_ownership
+        if indices.numel() == 0 or not (track or self.check_bounds):
             return
-        lo, hi = torch.stack(torch.aminmax(indices)).tolist()
-        for bad in (lo, hi):
-            if 0 <= bad < self._low:
+        parts = list(torch.aminmax(indices))
+        bad = dup = None
+        if track:
+            safe = indices.clamp(self._low, self._high)  # out-of-range ones fail the range check
+            stack, units = self._owner_units(safe)
+            assert stack.state is not None and self._dup_scratch is not None
+            state = stack.state.index_select(0, units)
+            bad = state == FREE if require is None else state != require
+            positions = torch.arange(safe.numel(), device=safe.device)
+            self._dup_scratch.scatter_(0, safe, positions)
+            dup = self._dup_scratch.index_select(0, safe) != positions
+            parts += [bad.sum(), dup.sum()]
+        lo, hi, *counts = torch.stack(parts).tolist()
+        for value in (lo, hi):
+            if 0 <= value < self._low:
                 raise ValueError(
-                    f"slot {bad} is in the reserved padding page (slots 0..{self._low - 1}) "
+                    f"slot {value} is in the reserved padding page (slots 0..{self._low - 1}) "
                     "and is never allocated"
                 )
-            if not self._low <= bad <= self._high:
+            if not self._low <= value <= self._high:
                 raise ValueError(
-                    f"slot {bad} out of range: valid slots are {self._low}..{self._high}"
+                    f"slot {value} out of range: valid slots are {self._low}..{self._high}"
                 )
+        if require is None and self.page_size == 1:
+            held = self.size - self.available_size()
+            if indices.numel() > held:  # more than is held at all
+                raise ValueError(
+                    f"freeing {indices.numel()} slot(s) but only {held} are allocated: "
+                    "some are freed twice"
+                )
+        if not track:
+            return
+        assert bad is not None and dup is not None
+        verb = "freed" if require is None else "given"
+        if counts[1]:
+            i = int(torch.nonzero(dup)[0])
+            raise ValueError(f"slot {int(indices[i])} is {verb} twice in one call (position {i})")
+        if counts[0]:
+            i = int(torch.nonzero(bad)[0])
+            stack, units = self._owner_units(indices[i : i + 1])
+            assert stack.state is not None
+            unit, got = int(units[0]), int(stack.state[units[0]])
+            if require is None:
+                raise ValueError(
+                    f"{stack.unit} {unit} is already free (position {i}): a double free, or "
+                    "never allocated"
+                )
+            raise ValueError(
+                f"slot {int(indices[i])} (position {i}) is {_STATE_NAMES[got]}, expected "
+                f"{_STATE_NAMES[require]}: nothing changed"
+            )
 
     # -- eviction contract --------------------------------------------------------------------
     def shortfall(self, num_tokens: int) -> EvictParams | None:

@@ -40,6 +40,7 @@ class PagedAllocator(BaseAllocator):
         pool: Any = None,
         debug_checks: bool = False,
         check_bounds: bool = True,
+        ownership_checks: bool = True,
     ) -> None:
         super().__init__(
             size,
@@ -48,11 +49,12 @@ class PagedAllocator(BaseAllocator):
             pool=pool,
             debug_checks=debug_checks,
             check_bounds=check_bounds,
+            ownership_checks=ownership_checks,
         )
         self.num_pages = size // page_size
         self._page_owner = torch.zeros(self.num_pages + 1, dtype=torch.int64, device=self.device)
         self._stack = FreeIdStack(
-            1, self.num_pages, self.device, track=self.debug_checks, unit="page"
+            1, self.num_pages, self.device, track=self.tracks_ownership, unit="page"
         )
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
 
@@ -224,6 +226,9 @@ class PagedAllocator(BaseAllocator):
 
     def release(self, indices: torch.Tensor) -> None:
         self._stack.push(self.pages_of(indices))
+
+    def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
+        return self._stack, indices // self.page_size
 
     def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
         """The distinct pages that slots ``indices`` lie in, in O(n) and without a sort.

@@ -34,11 +34,14 @@ class StandardAllocator(BaseAllocator):
         pool: Any = None,
         debug_checks: bool = False,
         check_bounds: bool = True,
+        ownership_checks: bool = True,
     ) -> None:
         super().__init__(
-            size, 1, device=device, pool=pool, debug_checks=debug_checks, check_bounds=check_bounds
+            size, 1, device=device, pool=pool, debug_checks=debug_checks,
+            check_bounds=check_bounds,
+            ownership_checks=ownership_checks,
         )
-        self._stack = FreeIdStack(1, size, self.device, track=self.debug_checks, unit="slot")
+        self._stack = FreeIdStack(1, size, self.device, track=self.tracks_ownership, unit="slot")
 
     @classmethod
     def from_geometry(
@@ -92,6 +95,9 @@ class StandardAllocator(BaseAllocator):
 
     def release(self, indices: torch.Tensor) -> None:
         self._stack.push(indices)
+
+    def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
+        return self._stack, indices
 
     def clear(self) -> None:
         """Every slot free again; an open free group is dropped."""

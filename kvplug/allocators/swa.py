@@ -21,8 +21,8 @@ from pydantic import Field, field_validator
 
 from kvplug_hookspecs import EvictParams, PoolGeometry
 
-from ..pools import HybridSWAKVPool
-from .base import AllocatorCheckOptions, BaseAllocator, check_size
+from ..pools import HybridSWAKVPool, check_index_tensor
+from .base import AllocatorCheckOptions, BaseAllocator, FreeIdStack, check_size
 from .paged import PagedAllocator
 from .standard import StandardAllocator
 
@@ -92,6 +92,7 @@ class SWAAllocator(BaseAllocator):
         pool: Any = None,
         debug_checks: bool = False,
         check_bounds: bool = True,
+        ownership_checks: bool = True,
     ) -> None:
         super().__init__(
             size,
@@ -100,6 +101,7 @@ class SWAAllocator(BaseAllocator):
             pool=pool,
             debug_checks=debug_checks,
             check_bounds=check_bounds,
+            ownership_checks=ownership_checks,
         )
         if (
             isinstance(sliding_window_size, bool)
@@ -113,6 +115,7 @@ class SWAAllocator(BaseAllocator):
             "device": self.device,
             "debug_checks": debug_checks,
             "check_bounds": check_bounds,
+            "ownership_checks": ownership_checks,
         }
         full_pool, swa_pool = getattr(pool, "full", None), getattr(pool, "swa", None)
         self.full_allocator: StandardAllocator | PagedAllocator
@@ -169,6 +172,7 @@ class SWAAllocator(BaseAllocator):
             pool=pool,
             debug_checks=options.debug_checks,
             check_bounds=options.check_bounds,
+            ownership_checks=options.ownership_checks,
         )
 
     @property
@@ -273,6 +277,15 @@ class SWAAllocator(BaseAllocator):
         self.swa_allocator.release(mapped)
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
+    def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
+        return self.full_allocator._owner_units(indices)
+
+    def _set_owner(self, indices: torch.Tensor, state: int) -> None:
+        """Both pools: the full slots and the window slots they still map to."""
+        swa = self.full_to_swa_index_mapping.index_select(0, indices)
+        self.full_allocator._set_owner(indices, state)
+        self.swa_allocator._set_owner(torch.masked_select(swa, swa > 0), state)
+
     def free_swa(self, indices: torch.Tensor) -> None:
         """Free only the window slots (pages) of these full slots: tokens that left the window."""
         indices = self._check_indices(indices)
@@ -284,9 +297,27 @@ class SWAAllocator(BaseAllocator):
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
     def translate_loc_from_full_to_swa(self, indices: torch.Tensor) -> torch.Tensor:
-        """Window slots of full slots (0, the window padding slot, where unmapped). One gather."""
-        flat = self.full_to_swa_index_mapping.index_select(0, indices.reshape(-1))
-        return flat.view(indices.shape)
+        """Window slots of full slots (0, the window padding slot, where unmapped). One gather.
+
+        ``-1`` (no previous location, as SGLang's kernels pass) maps to ``-1``. The tensor's type
+        and device are always checked; with ``check_bounds`` (the default) other values outside
+        ``0..size + page_size - 1`` are an error (one host sync, like ``free``'s range check),
+        never an out-of-bounds device read.
+        """
+        if not isinstance(indices, torch.Tensor):
+            raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+        check_index_tensor(indices.reshape(-1), self.device)
+        flat = indices.reshape(-1).to(torch.int64)
+        if flat.numel() and (self.check_bounds or self.tracks_ownership):
+            lo, hi = torch.stack(torch.aminmax(flat)).tolist()
+            for value in (lo, hi):
+                if not -1 <= value <= self._high:
+                    raise ValueError(
+                        f"slot {value} out of range: full slots are 0..{self._high} (or -1)"
+                    )
+        missing = flat < 0
+        mapped = self.full_to_swa_index_mapping.index_select(0, flat.clamp(min=0))
+        return torch.where(missing, -1, mapped).view(indices.shape)
 
     def shortfall(self, num_tokens: int) -> EvictParams | None:
         """Per-pool shortfall: ``n - full_available``, ``n - swa_available``, clipped at 0.

@@ -24,6 +24,7 @@ The evictable blocks are the configured policy's candidate set, maintained incre
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -47,14 +48,17 @@ from .common import (
     BuiltFromContext,
     CacheStats,
     CandidateStats,
-    as_cache_key,
-    as_token_ids,
     cache_options,
     cache_page_size,
     check_indices,
+    check_int,
+    check_key,
     emit_removed,
     emit_stored,
     new_policy_instance,
+    policy_error,
+    release_ownership,
+    take_ownership,
 )
 
 __all__ = ["Block", "BlockHashCache", "BlockHashOptions"]
@@ -77,6 +81,7 @@ class Block(CandidateStats):
 
     ``ref_count`` counts the running requests holding it; ``num_children`` the cached blocks
     chained from it. It is in the policy's evictable set exactly when both are zero.
+    ``own_locks`` counts the locks taken with this block as the handle.
     """
 
     __slots__ = (
@@ -84,6 +89,7 @@ class Block(CandidateStats):
         "digest",
         "indices",
         "num_children",
+        "own_locks",
         "parent",
         "ref_count",
     )
@@ -106,6 +112,7 @@ class Block(CandidateStats):
         self.num_tokens = num_tokens
         self.ref_count = 0
         self.num_children = 0
+        self.own_locks = 0
 
     def __repr__(self) -> str:
         return (
@@ -165,7 +172,8 @@ class BlockHashCache(BuiltFromContext):
     def _seed(self, extra_key: str | None) -> bytes:
         """The chain's starting digest for a namespace: every block hash covers it."""
         tag = b"kvplug-none" if extra_key is None else b"kvplug-ns:" + extra_key.encode()
-        return self._hash(tag).digest()
+        digest: bytes = self._hash(tag).digest()
+        return digest
 
     def _block_digests(
         self, ids: tuple[int, ...], extra_key: str | None, num_blocks: int
@@ -188,6 +196,26 @@ class BlockHashCache(BuiltFromContext):
         """The event-facing hash of a block (the first 8 bytes of its digest)."""
         return int.from_bytes(digest[:8], "big")
 
+    # ----------------------------------------------------------------------------- failures
+    def _saved_stats(self, blocks: list[Block]) -> list[tuple[int, int, int]]:
+        return [(b.last_access_time, b.hit_count, b.priority) for b in blocks]
+
+    def _restore(self, clock: int, blocks: list[Block], saved: list[tuple[int, int, int]]) -> None:
+        """Undo stamps after a failure, then rebuild the policy's candidate set."""
+        self._clock = clock
+        for block, (time, hits, priority) in zip(blocks, saved, strict=True):
+            block.last_access_time, block.hit_count, block.priority = time, hits, priority
+        self._resync_policy()
+
+    def _resync_policy(self) -> None:
+        """Make the policy's set the unreferenced childless blocks again (error path only); a
+        policy that fails again is left as it is (the caller raises the first failure)."""
+        with contextlib.suppress(Exception):
+            self.policy.clear()
+            for block in self._blocks.values():
+                if block.ref_count == 0 and block.num_children == 0:
+                    self.policy.add(block)
+
     # ----------------------------------------------------------------------------- queries
     def match_prefix(
         self, key: CacheKey | Sequence[int], *, record_hit: bool = True, gather: bool = True
@@ -196,16 +224,16 @@ class BlockHashCache(BuiltFromContext):
 
         ``record_hit=False`` is a probe: no statistic, hit count, clock or recency changes.
         ``gather=False`` returns an empty ``device_indices`` (length and handle still right).
+        The key is checked before anything changes; a failing policy changes nothing and
+        raises ``PolicyError``.
         """
-        key = as_cache_key(key)
-        ids = as_token_ids(key.token_ids)
-        matched = self._match_blocks(ids, key.extra_key)
-        if record_hit:
-            self.stats.match_queries += 1
-            self.stats.match_query_tokens += len(ids)
-            self._stamp(matched, hit=True)
+        ids, extra_key = check_key(key)
+        matched = self._match_blocks(ids, extra_key)
         prefix_len = len(matched) * self.page_size
         if record_hit:
+            self._stamp(matched, hit=True, operation="match_prefix")
+            self.stats.match_queries += 1
+            self.stats.match_query_tokens += len(ids)
             self.stats.hit_tokens += prefix_len
         return MatchResult(
             device_indices=self._gather(matched) if gather else self._empty,
@@ -215,16 +243,16 @@ class BlockHashCache(BuiltFromContext):
 
     def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
         """Refresh the recency of ``key``'s cached blocks; no hit, no query counted."""
-        key = as_cache_key(key)
-        self._stamp(self._match_blocks(as_token_ids(key.token_ids), key.extra_key), hit=False)
+        ids, extra_key = check_key(key)
+        self._stamp(self._match_blocks(ids, extra_key), hit=False, operation="touch_prefix")
 
     def path_indices(self, node: Any) -> torch.Tensor:
         """The slots of the blocks from the first one to ``node`` (int64, on device)."""
-        block = self._check_handle(node)
+        block: Block | None = self._check_handle(node)
         chain = []
-        while block is not self.root:
+        while block is not None and block is not self.root:
             chain.append(block)
-            block = block.parent  # type: ignore[assignment]
+            block = block.parent
         chain.reverse()
         return self._gather(chain)
 
@@ -238,19 +266,24 @@ class BlockHashCache(BuiltFromContext):
             matched.append(block)
         return matched
 
-    def _stamp(self, matched: list[Block], *, hit: bool) -> None:
+    def _stamp(self, matched: list[Block], *, hit: bool, operation: str) -> None:
+        clock, saved = self._clock, self._saved_stats(matched)
         self._clock += 1
         now = self._clock
-        for block in matched:
-            block.last_access_time = now
-            if hit:
-                block.hit_count += 1
-            self.policy.touch(block)
+        try:
+            for block in matched:
+                block.last_access_time = now
+                if hit:
+                    block.hit_count += 1
+                self.policy.touch(block)
+        except Exception as exc:
+            self._restore(clock, matched, saved)
+            raise policy_error(self.policy, operation, exc) from exc
 
     def _gather(self, blocks: list[Block]) -> torch.Tensor:
         if not blocks:
             return self._empty
-        return torch.cat([b.indices for b in blocks])
+        return torch.cat([b.indices for b in blocks if b.indices is not None])
 
     # ----------------------------------------------------------------------------- insert
     def insert(
@@ -267,64 +300,84 @@ class BlockHashCache(BuiltFromContext):
         rounded down to ``page_size``): slots duplicating already-cached blocks are freed here.
         ``hits_after=n`` counts hits at insert (for engines that probe with
         ``record_hit=False``): each block of the path ending past token ``n`` gets one hit.
-        """
-        key = as_cache_key(key)
-        ids = as_token_ids(key.token_ids)
-        indices = check_indices(indices, len(ids), self.device)
-        num_blocks = len(ids) // self.page_size
-        aligned_len = num_blocks * self.page_size
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        self._clock += 1
-        now = self._clock
-        blocks = self._blocks
-        policy = self.policy
-        page = self.page_size
 
-        parent = self.root
-        digests = self._block_digests(ids, key.extra_key, num_blocks)
-        num_cached = 0
-        new_digest: bytes | None = None
+        All or nothing: key, indices and the ownership of every slot the cache takes (new ones,
+        and duplicates it frees) are checked before anything changes; a failing policy or
+        ``allocator.free`` leaves cache and allocator as they were.
+        """
+        ids, extra_key = check_key(key)
+        indices = check_indices(indices, len(ids), self.device)
+        check_int(priority, "priority")
+        if hits_after is not None:
+            check_int(hits_after, "hits_after", minimum=0)
+        page = self.page_size
+        num_blocks = len(ids) // page
+        aligned_len = num_blocks * page
+        blocks = self._blocks
+        digests = list(self._block_digests(ids, extra_key, num_blocks))
+        chain: list[Block] = []
         for digest in digests:
             block = blocks.get(digest)
             if block is None:
-                new_digest = digest
                 break
-            block.last_access_time = now
-            if priority > block.priority:
-                block.priority = priority
-            num_cached += 1
-            if hits_after is not None and num_cached * page > hits_after:
-                block.hit_count += 1
-            policy.touch(block)
-            parent = block
+            chain.append(block)
+        num_cached = len(chain)
         cached_len = num_cached * page
-
-        if num_cached:
-            # Free the caller's duplicates of cached blocks (identical slots are the cache's own).
-            cached = self._gather(self._chain(parent, num_cached))
+        duplicates = self._empty
+        if num_cached:  # the caller's duplicates of cached blocks (identical slots are ours)
             passed = indices[:cached_len]
-            duplicates = passed[passed != cached]
+            duplicates = passed[passed != self._gather(chain)]
+        taken = torch.cat([indices[cached_len:aligned_len], duplicates])
+        take_ownership(self.allocator, taken)  # raises (nothing changed) on a slot not held
+
+        clock, saved = self._clock, self._saved_stats(chain)
+        policy = self.policy
+        new_blocks: list[Block] = []
+        in_free = False
+        try:
+            self._clock += 1
+            now = self._clock
+            for n, block in enumerate(chain, 1):
+                block.last_access_time = now
+                if priority > block.priority:
+                    block.priority = priority
+                if hits_after is not None and n * page > hits_after:
+                    block.hit_count += 1
+                policy.touch(block)
+            parent = chain[-1] if chain else self.root
+            new_digests = digests[num_cached:]
+            if new_digests:
+                new_slots = indices[cached_len:aligned_len].clone().view(-1, page)
+                if parent is not self.root and parent.num_children == 0 and parent.ref_count == 0:
+                    policy.discard(parent)
+                for i, digest in enumerate(new_digests):
+                    block = Block(
+                        now, self._as_int(digest), digest, parent, new_slots[i], page, priority
+                    )
+                    if hits_after is not None and (num_cached + i + 1) * page > hits_after:
+                        block.hit_count = 1
+                    blocks[digest] = block
+                    new_blocks.append(block)
+                    parent.num_children += 1
+                    parent = block
+                policy.add(parent)  # only the new tail block is childless
             if duplicates.numel():
+                in_free = True
                 self.allocator.free(duplicates)
+        except Exception as exc:
+            for block in reversed(new_blocks):
+                del blocks[block.digest]
+                assert block.parent is not None
+                block.parent.num_children -= 1
+            self._restore(clock, chain, saved)
+            release_ownership(self.allocator, taken)
+            if in_free:
+                raise
+            raise policy_error(self.policy, "insert", exc) from exc
 
-        if new_digest is None:
+        if not new_blocks:
             return cached_len
-
-        new_slots = indices[cached_len:aligned_len].clone().view(-1, page)
-        if parent is not self.root and parent.num_children == 0 and parent.ref_count == 0:
-            policy.discard(parent)
-        new_digests = [new_digest, *digests]
-        for i, digest in enumerate(new_digests):
-            block = Block(now, self._as_int(digest), digest, parent, new_slots[i], page, priority)
-            if hits_after is not None and (num_cached + i + 1) * page > hits_after:
-                block.hit_count = 1
-            blocks[digest] = block
-            parent.num_children += 1
-            parent = block
-        policy.add(parent)  # only the new tail block is childless
-
-        new_tokens = len(new_digests) * page
+        new_tokens = len(new_blocks) * page
         self._evictable_tokens += new_tokens
         self.stats.inserted_tokens += new_tokens
         if self.events is not None:
@@ -332,29 +385,30 @@ class BlockHashCache(BuiltFromContext):
                 self.events,
                 self.name,
                 new_tokens,
-                tuple(self._as_int(d) for d in new_digests),
-                key.extra_key,
+                tuple(b.block_hash for b in new_blocks),
+                extra_key,
             )
         return cached_len
 
-    @staticmethod
-    def _chain(last: Block, count: int) -> list[Block]:
-        """The ``count`` blocks ending at ``last``, root-side first."""
-        chain = []
-        block: Block | None = last
-        for _ in range(count):
-            chain.append(block)
-            block = block.parent
-        chain.reverse()
-        return chain
-
     # ----------------------------------------------------------------------------- eviction
+    def _check_victim(self, block: Any) -> Block:
+        """What ``policy.pop()`` returned must be one of this cache's evictable blocks."""
+        if (
+            not isinstance(block, Block)
+            or self._blocks.get(block.digest) is not block
+            or block.ref_count
+            or block.num_children
+        ):
+            raise ValueError(f"pop() returned {block!r}, which is not an evictable block here")
+        return block
+
     def evict(self, params: EvictParams) -> EvictResult:
         """Free unreferenced tail blocks in policy order until ``params.num_tokens`` are freed.
 
         Frees whole blocks: at most ``num_tokens`` rounded up to ``page_size``; less when too
         little is evictable (the caller decides to retract or preempt). ``swa_num_tokens`` and
-        ``mamba_num`` do not apply to this cache and are ignored.
+        ``mamba_num`` do not apply to this cache and are ignored. All or nothing: when the
+        policy or ``allocator.free`` fails, every victim is put back and nothing is freed.
         """
         if not isinstance(params, EvictParams):
             raise TypeError(f"evict expects EvictParams, got {type(params).__name__}")
@@ -362,28 +416,44 @@ class BlockHashCache(BuiltFromContext):
         if need == 0:
             return EvictResult()
         freed = 0
-        victims: list[Block] = []
+        victims: list[tuple[Block, Block]] = []  # (block, parent)
         policy = self.policy
         root = self.root
         blocks = self._blocks
-        while freed < need:
-            block = policy.pop()
-            if block is None:
-                break
-            del blocks[block.digest]
-            victims.append(block)
-            freed += block.num_tokens
-            parent = block.parent
-            block.parent = None
-            if parent is not root:
-                parent.num_children -= 1
-                if parent.num_children == 0 and parent.ref_count == 0:
-                    policy.add(parent)
+        in_free = False
+        try:
+            while freed < need:
+                block = policy.pop()
+                if block is None:
+                    break
+                block = self._check_victim(block)
+                parent = block.parent
+                assert parent is not None
+                del blocks[block.digest]
+                victims.append((block, parent))
+                freed += block.num_tokens
+                block.parent = None
+                if parent is not root:
+                    parent.num_children -= 1
+                    if parent.num_children == 0 and parent.ref_count == 0:
+                        policy.add(parent)
+            if victims:
+                in_free = True
+                self.allocator.free(self._gather([b for b, _ in victims]))
+        except Exception as exc:
+            for block, parent in reversed(victims):
+                block.parent = parent
+                blocks[block.digest] = block
+                if parent is not root:
+                    parent.num_children += 1
+            self._resync_policy()
+            if in_free:
+                raise
+            raise policy_error(self.policy, "evict", exc) from exc
         if victims:
-            self.allocator.free(torch.cat([b.indices for b in victims]))
             self._evictable_tokens -= freed
             if self.events is not None:
-                emit_removed(self.events, self.name, freed, tuple(b.block_hash for b in victims))
+                emit_removed(self.events, self.name, freed, tuple(b.block_hash for b, _ in victims))
         self.stats.evictions += 1
         self.stats.evicted_tokens += freed
         return EvictResult(num_tokens=freed)
@@ -400,21 +470,37 @@ class BlockHashCache(BuiltFromContext):
             )
         return block
 
+    def _chain_to_root(self, block: Block) -> list[Block]:
+        chain = []
+        x: Block | None = block
+        while x is not None and x is not self.root:
+            chain.append(x)
+            x = x.parent
+        return chain
+
     def inc_lock_ref(self, node: Any) -> int:
         """Take a reference on every block of the prefix ending at ``node``.
 
-        Returns the change of ``evictable_size()`` (zero or negative), as SGLang does.
+        Returns the change of ``evictable_size()`` (zero or negative), as SGLang does. Only
+        ``dec_lock_ref`` with the same handle drops it.
         """
         block = self._check_handle(node)
-        moved = 0
-        policy = self.policy
-        while block is not self.root:
-            if block.ref_count == 0:
-                moved += block.num_tokens
-                if block.num_children == 0:
-                    policy.discard(block)
-            block.ref_count += 1
-            block = block.parent
+        chain = self._chain_to_root(block)
+        unlocked = [b for b in chain if b.ref_count == 0]
+        for b in chain:
+            b.ref_count += 1
+        block.own_locks += 1
+        try:
+            for b in unlocked:
+                if b.num_children == 0:
+                    self.policy.discard(b)
+        except Exception as exc:
+            for b in chain:
+                b.ref_count -= 1
+            block.own_locks -= 1
+            self._resync_policy()
+            raise policy_error(self.policy, "inc_lock_ref", exc) from exc
+        moved = sum(b.num_tokens for b in unlocked)
         self._evictable_tokens -= moved
         self._protected_tokens += moved
         return -moved
@@ -422,20 +508,31 @@ class BlockHashCache(BuiltFromContext):
     def dec_lock_ref(self, node: Any) -> int:
         """Drop the reference ``inc_lock_ref(node)`` took.
 
-        Returns the change of ``evictable_size()`` (zero or positive).
+        Returns the change of ``evictable_size()`` (zero or positive). A handle that holds no
+        lock of its own (an ancestor of a locked block, the root) is an error; nothing changes.
         """
         block = self._check_handle(node)
-        if block is not self.root and block.ref_count == 0:
-            raise ValueError(f"dec_lock_ref on {block!r}, which holds no reference")
-        moved = 0
-        policy = self.policy
-        while block is not self.root:
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                moved += block.num_tokens
-                if block.num_children == 0:
-                    policy.add(block)
-            block = block.parent
+        if block.own_locks == 0:
+            raise ValueError(
+                f"dec_lock_ref on {block!r}, which holds no reference of its own (an ancestor "
+                "of a locked block, or the root, cannot be unlocked)"
+            )
+        chain = self._chain_to_root(block)
+        freed = [b for b in chain if b.ref_count == 1]
+        for b in chain:
+            b.ref_count -= 1
+        block.own_locks -= 1
+        try:
+            for b in freed:
+                if b.num_children == 0:
+                    self.policy.add(b)
+        except Exception as exc:
+            for b in chain:
+                b.ref_count += 1
+            block.own_locks += 1
+            self._resync_policy()
+            raise policy_error(self.policy, "dec_lock_ref", exc) from exc
+        moved = sum(b.num_tokens for b in freed)
         self._evictable_tokens += moved
         self._protected_tokens -= moved
         return moved
@@ -473,8 +570,9 @@ class BlockHashCache(BuiltFromContext):
             )
         dropped = self.total_size()
         if dropped:
-            self.allocator.free(self.all_values_flatten())
-        self.policy.clear()
+            self.allocator.free(self.all_values_flatten())  # raises: nothing changed
+        with contextlib.suppress(Exception):  # the slots are freed: a fresh state is right
+            self.policy.clear()
         self._init_state()
         if self.events is not None:
             self.events.cache_cleared(CacheCleared(cache=self.name, num_tokens=dropped))

@@ -30,11 +30,13 @@ from kvplug_hookspecs import (
 from .common import (
     BuiltFromContext,
     CacheStats,
-    as_cache_key,
-    as_token_ids,
     cache_options,
     cache_page_size,
     check_indices,
+    check_int,
+    check_key,
+    release_ownership,
+    take_ownership,
 )
 
 __all__ = ["ChunkCache", "ChunkCacheOptions"]
@@ -69,26 +71,36 @@ class ChunkCache(BuiltFromContext):
         self.stats = CacheStats()
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
-        """Always the empty prefix."""
-        key = as_cache_key(key)
-        ids = as_token_ids(key.token_ids)
-        self.stats.match_queries += 1
-        self.stats.match_query_tokens += len(ids)
+    def match_prefix(
+        self, key: CacheKey | Sequence[int], *, record_hit: bool = True, gather: bool = True
+    ) -> MatchResult:
+        """Always the empty prefix (the key is still validated; a probe counts nothing)."""
+        ids, _ = check_key(key)
+        if record_hit:
+            self.stats.match_queries += 1
+            self.stats.match_query_tokens += len(ids)
         return MatchResult(device_indices=self._empty, last_node=None, prefix_len=0)
 
     def insert(
         self, key: CacheKey | Sequence[int], indices: torch.Tensor, *, priority: int = 0
     ) -> int:
-        """Free ``indices[:aligned]`` (the cache owns and drops them); return 0."""
-        key = as_cache_key(key)
-        ids = as_token_ids(key.token_ids)
+        """Free ``indices[:aligned]`` (the cache owns and drops them); return 0.
+
+        The slots must be the caller's (held, not cached): they are taken, then freed, and a
+        failing ``free`` hands them back, so nothing changes on an error.
+        """
+        ids, _ = check_key(key)
         indices = check_indices(indices, len(ids), self.device)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        check_int(priority, "priority")
         aligned = len(ids) - len(ids) % self.page_size
         if aligned:
-            self.allocator.free(indices[:aligned])
+            taken = indices[:aligned]
+            take_ownership(self.allocator, taken)
+            try:
+                self.allocator.free(taken)
+            except Exception:
+                release_ownership(self.allocator, taken)
+                raise
         return 0
 
     def _check_handle(self, node: Any) -> None:

@@ -6,7 +6,8 @@ behaviour must be identical across caches (what a key is, what a counter counts)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from kvplug_hookspecs import (
     TokenAllocator,
 )
 
+from ..errors import PolicyError
 from ..policies.builtin import LRUPolicy
 
 __all__ = [
@@ -35,10 +37,15 @@ __all__ = [
     "cache_options",
     "cache_page_size",
     "check_indices",
+    "check_int",
+    "check_key",
     "emit_removed",
     "emit_stored",
     "new_policy_instance",
+    "policy_error",
+    "release_ownership",
     "same_device",
+    "take_ownership",
 ]
 
 
@@ -54,24 +61,86 @@ def as_cache_key(key: CacheKey | Sequence[int] | torch.Tensor) -> CacheKey:
 
 
 def as_token_ids(token_ids: Any) -> tuple[int, ...]:
-    """A key's token ids as a tuple (hashable, sliceable, compared in C).
+    """A key's token ids as a tuple (hashable, sliceable, compared in C), every element checked.
 
-    A tensor must be 1-D with an integer dtype. For other sequences the element type is only
-    spot-checked (first and last): scanning every token in Python would cost more than the match.
+    A tensor must be 1-D with an integer dtype. Any other sequence is packed into a C int64
+    array (one pass in C, no Python loop per token), which rejects a non-integer or a value
+    outside int64; only then is the sequence scanned in Python, to name the bad position.
     """
     if isinstance(token_ids, torch.Tensor):
         dtype = token_ids.dtype
-        if token_ids.dim() != 1 or dtype.is_floating_point or dtype == torch.bool:
+        if (
+            token_ids.dim() != 1
+            or dtype.is_floating_point
+            or dtype.is_complex
+            or dtype == torch.bool
+        ):
             raise TypeError(
                 f"token ids given as a tensor must be 1-D integers, got shape "
                 f"{tuple(token_ids.shape)} dtype {dtype}"
             )
+        if dtype == torch.uint64 and token_ids.numel() and int(token_ids.max()) >= 2**63:
+            raise ValueError("token ids must fit in int64")
         return tuple(token_ids.tolist())
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+        raise TypeError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
     ids = tuple(token_ids)
-    if ids and not (isinstance(ids[0], int) and isinstance(ids[-1], int)):
-        kinds = f"{type(ids[0]).__name__} / {type(ids[-1]).__name__}"
-        raise TypeError(f"token ids must be ints, got {kinds}")
+    try:
+        array("q", ids)
+    except (TypeError, OverflowError):
+        for pos, value in enumerate(ids):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"token ids must be ints: position {pos} is {value!r} ({type(value).__name__})"
+                ) from None
+            if not -(2**63) <= value < 2**63:
+                raise ValueError(
+                    f"token ids must fit in int64: position {pos} is {value}"
+                ) from None
+        raise
     return ids
+
+
+def check_key(key: Any) -> tuple[tuple[int, ...], str | None]:
+    """Validate a key before a cache changes anything: its token ids and its namespace."""
+    key = as_cache_key(key)
+    extra_key = key.extra_key
+    if extra_key is not None and not isinstance(extra_key, str):
+        raise TypeError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
+    return as_token_ids(key.token_ids), extra_key
+
+
+def policy_error(policy: Any, operation: str, exc: BaseException) -> PolicyError:
+    """The error a cache raises (``from exc``) when its policy failed during ``operation``."""
+    kind = type(policy)
+    return PolicyError(
+        f"eviction policy {kind.__module__}.{kind.__qualname__} failed in {operation}: "
+        f"{type(exc).__name__}: {exc} (the cache and allocator are as before the call)"
+    )
+
+
+def check_int(value: Any, what: str, *, minimum: int | None = None) -> int:
+    """An int argument (not a bool), checked before anything changes."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def take_ownership(allocator: Any, slots: torch.Tensor) -> None:
+    """The cache takes these caller-held slots (checked; an error changes nothing). Allocators
+    without ownership tracking (e.g. an engine's own) are trusted."""
+    take = getattr(allocator, "take_ownership", None)
+    if take is not None and slots.numel():
+        take(slots)
+
+
+def release_ownership(allocator: Any, slots: torch.Tensor) -> None:
+    """Undo ``take_ownership`` (the cache's operation failed after taking the slots)."""
+    release = getattr(allocator, "release_ownership", None)
+    if release is not None and slots.numel():
+        release(slots)
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

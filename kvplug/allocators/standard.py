@@ -37,7 +37,11 @@ class StandardAllocator(BaseAllocator):
         ownership_checks: bool = True,
     ) -> None:
         super().__init__(
-            size, 1, device=device, pool=pool, debug_checks=debug_checks,
+            size,
+            1,
+            device=device,
+            pool=pool,
+            debug_checks=debug_checks,
             check_bounds=check_bounds,
             ownership_checks=ownership_checks,
         )

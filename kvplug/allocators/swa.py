@@ -286,6 +286,34 @@ class SWAAllocator(BaseAllocator):
         self.full_allocator._set_owner(indices, state)
         self.swa_allocator._set_owner(torch.masked_select(swa, swa > 0), state)
 
+    def move_swa(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Give full slots ``dst`` (whose window side was freed) the window slots of ``src``.
+
+        A swa_radix cache revives a window tombstone that a running request still reads in
+        full from that request's fresh window KV (SGLang's recovery with a locked full side):
+        ``dst`` keeps its full slots and gains ``src``'s window slots, ``src`` loses them (so a
+        later ``free(src)`` frees only its full side). Slot for slot; checked before anything
+        changes: the same length, ``dst`` unmapped, ``src`` mapped (one host sync).
+        """
+        src = self._check_indices(src, values=False)
+        dst = self._check_indices(dst, values=False)
+        if src.numel() != dst.numel():
+            raise ValueError(f"move_swa: {src.numel()} source slots but {dst.numel()} targets")
+        if src.numel() == 0:
+            return
+        self._check_values(torch.cat([src, dst]))
+        window = self.full_to_swa_index_mapping.index_select(0, src)
+        unmapped_src, mapped_dst = torch.stack(
+            [(window <= 0).sum(), (self.full_to_swa_index_mapping.index_select(0, dst) > 0).sum()]
+        ).tolist()
+        if unmapped_src or mapped_dst:
+            raise ValueError(
+                f"move_swa: {unmapped_src} source slot(s) have no window slot and "
+                f"{mapped_dst} target slot(s) still have one"
+            )
+        self.full_to_swa_index_mapping.index_fill_(0, src, 0)
+        self.full_to_swa_index_mapping.scatter_(0, dst, window)
+
     def free_swa(self, indices: torch.Tensor) -> None:
         """Free only the window slots (pages) of these full slots: tokens that left the window."""
         indices = self._check_indices(indices)

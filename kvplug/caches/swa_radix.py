@@ -42,6 +42,8 @@ before ``s`` are stored as a tombstone, and nodes before ``s`` are not revived.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,14 +66,17 @@ from .common import (
     BuiltFromContext,
     CacheStats,
     CandidateStats,
-    as_cache_key,
-    as_token_ids,
     cache_options,
     cache_page_size,
     check_indices,
+    check_int,
+    check_key,
     emit_removed,
     emit_stored,
     new_policy_instance,
+    policy_error,
+    release_ownership,
+    take_ownership,
 )
 from .radix_tree import child_key, common_len
 
@@ -248,6 +253,8 @@ class SWARadixCache(BuiltFromContext):
         The head inherits locks, tombstone and statistics; ``child`` (the tail) keeps its
         identity, so a lock handle and its window spans stay valid.
         """
+        parent, value = child.parent, child.value
+        assert parent is not None and value is not None
         head = SWARadixNode(child.creation_time, child.priority)
         head.last_access_time = child.last_access_time
         head.hit_count = child.hit_count
@@ -255,9 +262,9 @@ class SWARadixCache(BuiltFromContext):
         head.swa_lock_ref = child.swa_lock_ref
         head.swa_tombstone = child.swa_tombstone
         head.parent, head.edge = child.parent, child.edge
-        head.key, head.value, head.num_tokens = child.key[:length], child.value[:length], length
-        child.parent.children[head.edge] = head
-        child.key, child.value = child.key[length:], child.value[length:]
+        head.key, head.value, head.num_tokens = child.key[:length], value[:length], length
+        parent.children[head.edge] = head
+        child.key, child.value = child.key[length:], value[length:]
         child.num_tokens -= length
         child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
         child.parent = head
@@ -268,27 +275,6 @@ class SWARadixCache(BuiltFromContext):
                 policy.add(child)
         self._refresh(head)
         return head
-
-    def _add_node(
-        self,
-        parent: SWARadixNode,
-        key: tuple[int, ...],
-        value: torch.Tensor,
-        edge: Any,
-        tombstone: bool,
-        priority: int,
-    ) -> SWARadixNode:
-        node = SWARadixNode(self._clock, priority)
-        node.parent, node.edge, node.key, node.value = parent, edge, key, value
-        node.num_tokens = len(key)
-        node.swa_tombstone = tombstone
-        parent.children[edge] = node
-        self._full_evictable += node.num_tokens
-        if not tombstone:
-            self._swa_evictable += node.num_tokens
-        self._refresh(parent)
-        self._refresh(node)
-        return node
 
     def _check_handle(self, node: Any) -> None:
         if not isinstance(node, SWARadixNode):
@@ -301,61 +287,146 @@ class SWARadixCache(BuiltFromContext):
         if top is not self.root:
             raise ValueError(f"{node!r} is not cached here (evicted, reset, or from another cache)")
 
+    # -- failures -------------------------------------------------------------------------------
+
+    def _counters(self) -> tuple[int, int, int, int]:
+        return self._full_evictable, self._full_protected, self._swa_evictable, self._swa_protected
+
+    def _set_counters(self, counters: tuple[int, int, int, int]) -> None:
+        (
+            self._full_evictable,
+            self._full_protected,
+            self._swa_evictable,
+            self._swa_protected,
+        ) = counters
+
+    def _resync(self) -> None:
+        """Rebuild both policies' sets and the dead-leaf list from the tree (error path only);
+        a policy that fails again is left as it is (the caller raises the first failure)."""
+        self._dead.clear()
+        with contextlib.suppress(Exception):
+            self.full_policy.clear()
+            self.swa_policy.clear()
+            for node in self._nodes():
+                self._refresh(node)
+
     # -- lookup and insert ----------------------------------------------------------------------
 
-    def match_prefix(self, key: CacheKey | Sequence[int]) -> MatchResult:
+    def _lookup(
+        self, ids: tuple[int, ...], end: int, extra_key: str | None
+    ) -> list[tuple[SWARadixNode, int, int]]:
+        """Read-only descent: ``(node, pos, length)`` per matched node (the last may match only
+        its first ``length`` tokens)."""
+        node, pos = self.root, 0
+        parts: list[tuple[SWARadixNode, int, int]] = []
+        while pos < end:
+            child = node.children.get(
+                child_key(ids, pos, self.page_size, node is self.root, extra_key)
+            )
+            if child is None:
+                break
+            length = common_len(child.key, ids, pos, end, self.page_size)
+            parts.append((child, pos, length))
+            node, pos = child, pos + length
+            if length < child.num_tokens:
+                break
+        return parts
+
+    def _descend(
+        self, ids: tuple[int, ...], end: int, extra_key: str | None, path: list[SWARadixNode]
+    ) -> None:
+        """Descend along ``ids[:end]``, splitting where the match ends inside a node; appends the
+        matched nodes to ``path``. Stamps nothing."""
+        node, pos = self.root, 0
+        while pos < end:
+            child = node.children.get(
+                child_key(ids, pos, self.page_size, node is self.root, extra_key)
+            )
+            if child is None:
+                break
+            length = common_len(child.key, ids, pos, end, self.page_size)
+            if length < child.num_tokens:
+                child = self._split(child, length)
+            path.append(child)
+            node, pos = child, pos + length
+
+    def match_prefix(
+        self, key: CacheKey | Sequence[int], *, record_hit: bool = True, gather: bool = True
+    ) -> MatchResult:
         """The longest cached prefix of ``key`` whose window is live (in whole pages).
 
         A prefix counts if no tombstone lies on its path, or if at least ``sliding_window_size``
         window-live tokens follow the last tombstone. Matched nodes get increasing logical times
         from the root down (so window eviction tombstones root-side nodes first) and one more hit.
+        ``record_hit=False`` is a probe (no statistic, hit count, clock or recency changes);
+        ``gather=False`` returns empty ``device_indices``. The key is checked before anything
+        changes; a failing policy changes nothing and raises ``PolicyError``.
         """
-        key = as_cache_key(key)
-        ids = as_token_ids(key.token_ids)
-        self._clock += 1
+        ids, extra_key = check_key(key)
         end = len(ids) - len(ids) % self.page_size
         window = self.sliding_window_size
-        node, pos = self.root, 0
         path: list[SWARadixNode] = []
+        try:
+            self._descend(ids, end, extra_key, path)
+        except Exception as exc:
+            self._resync()
+            raise policy_error(self.full_policy, "match_prefix", exc) from exc
+        pos = 0
         since_tombstone = _INF
         best_len, best_count = 0, 0
-        while pos < end:
-            child = node.children.get(
-                child_key(ids, pos, self.page_size, node is self.root, key.extra_key)
-            )
-            if child is None:
-                break
-            if child.swa_tombstone:
+        for count, node in enumerate(path):
+            if node.swa_tombstone:
                 if since_tombstone >= window:
-                    best_len, best_count = pos, len(path)
+                    best_len, best_count = pos, count
                 since_tombstone = 0
-            length = common_len(child.key, ids, pos, end, self.page_size)
-            if length < child.num_tokens:
-                child = self._split(child, length)
-            if not child.swa_tombstone:
-                since_tombstone += length
-            path.append(child)
-            node, pos = child, pos + length
+            else:
+                since_tombstone += node.num_tokens
+            pos += node.num_tokens
         if since_tombstone >= window:
             best_len, best_count = pos, len(path)
-
-        full, swa = self.full_policy, self.swa_policy
-        for node in path[:best_count]:
-            self._clock += 1
-            node.last_access_time = self._clock
-            node.hit_count += 1
-            full.touch(node)
-            swa.touch(node)
-        stats = self.stats
-        stats.match_queries += 1
-        stats.match_query_tokens += len(ids)
-        stats.hit_tokens += best_len
+        best = path[:best_count]
+        if record_hit:
+            clock = self._clock
+            saved = [(n.last_access_time, n.hit_count) for n in best]
+            full, swa = self.full_policy, self.swa_policy
+            try:
+                self._clock += 1
+                for node in best:
+                    self._clock += 1
+                    node.last_access_time = self._clock
+                    node.hit_count += 1
+                    full.touch(node)
+                    swa.touch(node)
+            except Exception as exc:
+                self._clock = clock
+                for node, (time, hits) in zip(best, saved, strict=True):
+                    node.last_access_time, node.hit_count = time, hits
+                self._resync()
+                raise policy_error(self.full_policy, "match_prefix", exc) from exc
+            stats = self.stats
+            stats.match_queries += 1
+            stats.match_query_tokens += len(ids)
+            stats.hit_tokens += best_len
         if best_count == 0:
             return MatchResult(device_indices=self._empty, last_node=self.root, prefix_len=0)
-        values = [n.value for n in path[:best_count]]
-        indices = torch.cat(values) if len(values) > 1 else values[0]
-        last = path[best_count - 1]
-        return MatchResult(device_indices=indices, last_node=last, prefix_len=best_len)
+        values = [n.value for n in best if n.value is not None]
+        if not gather:
+            indices = self._empty
+        else:
+            indices = torch.cat(values) if len(values) > 1 else values[0]
+        return MatchResult(device_indices=indices, last_node=best[-1], prefix_len=best_len)
+
+    def path_indices(self, node: SWARadixNode) -> torch.Tensor:
+        """The full slots from the root to ``node`` (int64, on device), root side first."""
+        self._check_handle(node)
+        values = []
+        x: SWARadixNode | None = node
+        while x is not None and x is not self.root:
+            assert x.value is not None
+            values.append(x.value)
+            x = x.parent
+        values.reverse()
+        return torch.cat(values) if values else self._empty
 
     def insert(
         self,
@@ -370,17 +441,14 @@ class SWARadixCache(BuiltFromContext):
 
         ``swa_evicted_seqlen``: how many leading tokens already had their window side freed by
         the caller (a multiple of ``page_size``, or the key length); 0 when every window slot
-        is live.
+        is live. All or nothing: key, indices and the ownership of every slot the cache takes
+        are checked before anything changes; a failing policy or ``allocator.free`` leaves
+        cache and allocator as they were.
         """
-        key = as_cache_key(key)
-        ids = as_token_ids(key.token_ids)
+        ids, extra_key = check_key(key)
         indices = check_indices(indices, len(ids), self.device)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        if not isinstance(swa_evicted_seqlen, int) or isinstance(swa_evicted_seqlen, bool):
-            raise TypeError(
-                f"swa_evicted_seqlen must be an int, got {type(swa_evicted_seqlen).__name__}"
-            )
+        check_int(priority, "priority")
+        check_int(swa_evicted_seqlen, "swa_evicted_seqlen")
         if not 0 <= swa_evicted_seqlen <= len(ids) or (
             swa_evicted_seqlen % self.page_size and swa_evicted_seqlen != len(ids)
         ):
@@ -389,80 +457,158 @@ class SWARadixCache(BuiltFromContext):
                 f"page_size={self.page_size} (or the key length) between 0 and the key "
                 f"length {len(ids)}"
             )
-        self._clock += 1
         end = len(ids) - len(ids) % self.page_size
-        full, swa = self.full_policy, self.swa_policy
-        node, pos = self.root, 0
+        parts = self._lookup(ids, end, extra_key)
+        pos = parts[-1][1] + parts[-1][2] if parts else 0
+        # decide per matched node, before anything changes: revive a tombstone from the fresh
+        # window KV (see the module docstring), or free the caller's duplicate slots
+        revive: list[bool] = []
         given_parts: list[torch.Tensor] = []
         cached_parts: list[torch.Tensor] = []
-        while pos < end:
-            child = node.children.get(
-                child_key(ids, pos, self.page_size, node is self.root, key.extra_key)
+        taken_parts: list[torch.Tensor] = []
+        for node, start, length in parts:
+            assert node.value is not None
+            given, cached = indices[start : start + length], node.value[:length]
+            fresh = (
+                node.swa_tombstone
+                and (node.full_lock_ref == 0 or hasattr(self.allocator, "move_swa"))
+                and swa_evicted_seqlen <= start
+                and not bool((given == cached).any())
             )
-            if child is None:
-                break
-            length = common_len(child.key, ids, pos, end, self.page_size)
-            if length < child.num_tokens:
-                child = self._split(child, length)
-            self._clock += 1
-            child.last_access_time = self._clock
-            if priority > child.priority:
-                child.priority = priority
-            full.touch(child)
-            swa.touch(child)
-            given = indices[pos : pos + length]
-            if (
-                child.swa_tombstone
-                and child.full_lock_ref == 0
-                and swa_evicted_seqlen <= pos
-                and not bool((given == child.value).any())
-            ):
-                self._revive(child, given)
+            revive.append(fresh)
+            if fresh:
+                taken_parts.append(given)
             else:
                 given_parts.append(given)
-                cached_parts.append(child.value)
-            node, pos = child, pos + length
-
-        if pos < end:
-            live_from = min(max(swa_evicted_seqlen, pos), end)
-            if live_from == end:
-                # Every new token already lost its window: nothing a match could use.
-                self.allocator.free(indices[pos:end])
-            else:
-                if live_from > pos:
-                    node = self._add_node(
-                        node,
-                        ids[pos:live_from],
-                        indices[pos:live_from].clone(),
-                        child_key(ids, pos, self.page_size, node is self.root, key.extra_key),
-                        True,
-                        priority,
-                    )
-                self._add_node(
-                    node,
-                    ids[live_from:end],
-                    indices[live_from:end].clone(),
-                    child_key(ids, live_from, self.page_size, node is self.root, key.extra_key),
-                    False,
-                    priority,
-                )
-                self.stats.inserted_tokens += end - pos
-                emit_stored(self.events, self.name, end - pos, extra_key=key.extra_key)
-
+                cached_parts.append(cached)
+        duplicates = self._empty
         if given_parts:
-            given = torch.cat(given_parts) if len(given_parts) > 1 else given_parts[0]
-            cached = torch.cat(cached_parts) if len(cached_parts) > 1 else cached_parts[0]
-            duplicates = given[given != cached]
+            given = torch.cat(given_parts)
+            duplicates = given[given != torch.cat(cached_parts)]
+        taken = torch.cat([*taken_parts, indices[pos:end], duplicates])
+        take_ownership(self.allocator, taken)  # raises (nothing changed) on a slot not held
+
+        clock, counters = self._clock, self._counters()
+        saved = [(n.last_access_time, n.priority) for n, _, _ in parts]
+        path: list[SWARadixNode] = []
+        added: list[SWARadixNode] = []
+        undo: list[Callable[[], None]] = []
+        in_free = False
+        full, swa = self.full_policy, self.swa_policy
+        try:
+            self._clock += 1
+            self._descend(ids, end, extra_key, path)
+            for node, fresh, (_, start, length) in zip(path, revive, parts, strict=True):
+                self._clock += 1
+                node.last_access_time = self._clock
+                if priority > node.priority:
+                    node.priority = priority
+                full.touch(node)
+                swa.touch(node)
+                if fresh:
+                    self._revive(node, indices[start : start + length], undo)
+            node = path[-1] if path else self.root
+            new_tokens = 0
+            if pos < end:
+                live_from = min(max(swa_evicted_seqlen, pos), end)
+                if live_from == end:
+                    # Every new token already lost its window: nothing a match could use.
+                    in_free = True
+                    self.allocator.free(indices[pos:end])
+                    in_free = False
+                else:
+                    if live_from > pos:
+                        node = self._add_node(
+                            node,
+                            ids[pos:live_from],
+                            indices[pos:live_from].clone(),
+                            child_key(ids, pos, self.page_size, node is self.root, extra_key),
+                            True,
+                            priority,
+                            added,
+                        )
+                    self._add_node(
+                        node,
+                        ids[live_from:end],
+                        indices[live_from:end].clone(),
+                        child_key(ids, live_from, self.page_size, node is self.root, extra_key),
+                        False,
+                        priority,
+                        added,
+                    )
+                    new_tokens = end - pos
             if duplicates.numel():
+                in_free = True
                 self.allocator.free(duplicates)
+        except Exception as exc:
+            for node in reversed(added):
+                if node.parent is not None:
+                    del node.parent.children[node.edge]
+                    node.parent = None
+            for action in reversed(undo):
+                action()
+            self._clock = clock
+            for node, (time, prio) in zip(path, saved, strict=False):
+                node.last_access_time, node.priority = time, prio
+            self._set_counters(counters)
+            self._resync()
+            release_ownership(self.allocator, taken)
+            if in_free:
+                raise
+            raise policy_error(self.full_policy, "insert", exc) from exc
+        if new_tokens:
+            self.stats.inserted_tokens += new_tokens
+            emit_stored(self.events, self.name, new_tokens, extra_key=extra_key)
         return pos
 
-    def _revive(self, node: SWARadixNode, given: torch.Tensor) -> None:
-        """Give a tombstoned, unlocked node the caller's window-live slots; free its old ones."""
-        self.allocator.free(node.value)  # their window side is already gone
-        node.value = given.clone()
+    def _add_node(
+        self,
+        parent: SWARadixNode,
+        key: tuple[int, ...],
+        value: torch.Tensor,
+        edge: Any,
+        tombstone: bool,
+        priority: int,
+        added: list[SWARadixNode],
+    ) -> SWARadixNode:
+        node = SWARadixNode(self._clock, priority)
+        node.parent, node.edge, node.key, node.value = parent, edge, key, value
+        node.num_tokens = len(key)
+        node.swa_tombstone = tombstone
+        parent.children[edge] = node
+        added.append(node)
+        self._full_evictable += node.num_tokens
+        if not tombstone:
+            self._swa_evictable += node.num_tokens
+        self._refresh(parent)
+        self._refresh(node)
+        return node
+
+    def _revive(
+        self, node: SWARadixNode, given: torch.Tensor, undo: list[Callable[[], None]]
+    ) -> None:
+        """Make a window tombstone live again from a request's fresh slots ``given``.
+
+        Unlocked: the node takes ``given`` and its old full slots are freed (their window side
+        is already gone). Locked (a running request reads its full slots): the node keeps its
+        full slots and takes ``given``'s window slots (``allocator.move_swa``); ``given``'s
+        full side is then freed. Either way a window's worth of fresh KV is cached, not lost.
+        """
+        old = node.value
+        assert old is not None
+        if node.full_lock_ref == 0:
+            self.allocator.free(old)  # their window side is already gone
+            node.value = given.clone()
+        else:
+            move = self.allocator.move_swa  # type: ignore[attr-defined]  # checked at lookup
+            move(given, old)
+            undo.append(functools.partial(move, old, given))
+            self.allocator.free(given)  # only the full side: its window slots moved to ``old``
         node.swa_tombstone = False
-        self._swa_evictable += node.num_tokens
+        if node.swa_lock_ref:
+            self._swa_protected += node.num_tokens
+        else:
+            self._swa_evictable += node.num_tokens
         self._refresh(node)
 
     # -- locks ----------------------------------------------------------------------------------
@@ -473,9 +619,11 @@ class SWARadixCache(BuiltFromContext):
         self._check_handle(node)
         root, window = self.root, self.sliding_window_size
         if node is root:
+            root.swa_lock_spans = [*(root.swa_lock_spans or []), 0]
             return 0
         covered, x = 0, node
         while x is not root and covered < window:
+            assert x.parent is not None
             if x.swa_tombstone:
                 raise ValueError(
                     f"cannot lock {node!r}: its last {window} tokens include a tombstoned node "
@@ -483,19 +631,33 @@ class SWARadixCache(BuiltFromContext):
                 )
             covered += x.num_tokens
             x = x.parent
+        counters = self._counters()
         moved, covered, x = 0, 0, node
-        while x is not root:
-            if x.full_lock_ref == 0:
-                moved += x.num_tokens
-            x.full_lock_ref += 1
-            if covered < window:
-                if x.swa_lock_ref == 0:
-                    self._swa_evictable -= x.num_tokens
-                    self._swa_protected += x.num_tokens
-                x.swa_lock_ref += 1
-                covered += x.num_tokens
-            self._refresh(x)
-            x = x.parent
+        chain: list[tuple[SWARadixNode, bool]] = []
+        try:
+            while x is not root:
+                assert x.parent is not None
+                if x.full_lock_ref == 0:
+                    moved += x.num_tokens
+                x.full_lock_ref += 1
+                in_window = covered < window
+                if in_window:
+                    if x.swa_lock_ref == 0:
+                        self._swa_evictable -= x.num_tokens
+                        self._swa_protected += x.num_tokens
+                    x.swa_lock_ref += 1
+                    covered += x.num_tokens
+                chain.append((x, in_window))
+                self._refresh(x)
+                x = x.parent
+        except Exception as exc:
+            for y, in_window in chain:
+                y.full_lock_ref -= 1
+                if in_window:
+                    y.swa_lock_ref -= 1
+            self._set_counters(counters)
+            self._resync()
+            raise policy_error(self.full_policy, "inc_lock_ref", exc) from exc
         if node.swa_lock_spans is None:
             node.swa_lock_spans = []
         node.swa_lock_spans.append(covered)
@@ -504,27 +666,49 @@ class SWARadixCache(BuiltFromContext):
         return -moved
 
     def dec_lock_ref(self, node: SWARadixNode) -> int:
-        """Undo one ``inc_lock_ref(node)``; returns the change of ``evictable_size()`` (>= 0)."""
+        """Undo one ``inc_lock_ref(node)``; returns the change of ``evictable_size()`` (>= 0).
+
+        A handle this cache never locked (an ancestor of a locked node, the root) is an error
+        and changes nothing."""
         self._check_handle(node)
+        if not node.swa_lock_spans:
+            raise ValueError(
+                f"{node!r} is not locked: dec_lock_ref without inc_lock_ref on this handle "
+                "(an ancestor of a locked node, or the root, cannot be unlocked)"
+            )
         root = self.root
         if node is root:
+            node.swa_lock_spans.pop()
             return 0
-        if not node.swa_lock_spans:
-            raise ValueError(f"{node!r} is not locked: dec_lock_ref without inc_lock_ref")
-        span = node.swa_lock_spans.pop()
+        span = node.swa_lock_spans[-1]
+        counters = self._counters()
         moved, covered, x = 0, 0, node
-        while x is not root:
-            x.full_lock_ref -= 1
-            if x.full_lock_ref == 0:
-                moved += x.num_tokens
-            if covered < span:
-                x.swa_lock_ref -= 1
-                if x.swa_lock_ref == 0:
-                    self._swa_evictable += x.num_tokens
-                    self._swa_protected -= x.num_tokens
-                covered += x.num_tokens
-            self._refresh(x)
-            x = x.parent
+        chain: list[tuple[SWARadixNode, bool]] = []
+        try:
+            while x is not root:
+                assert x.parent is not None
+                x.full_lock_ref -= 1
+                if x.full_lock_ref == 0:
+                    moved += x.num_tokens
+                in_window = covered < span
+                if in_window:
+                    x.swa_lock_ref -= 1
+                    if x.swa_lock_ref == 0:
+                        self._swa_evictable += x.num_tokens
+                        self._swa_protected -= x.num_tokens
+                    covered += x.num_tokens
+                chain.append((x, in_window))
+                self._refresh(x)
+                x = x.parent
+        except Exception as exc:
+            for y, in_window in chain:
+                y.full_lock_ref += 1
+                if in_window:
+                    y.swa_lock_ref += 1
+            self._set_counters(counters)
+            self._resync()
+            raise policy_error(self.full_policy, "dec_lock_ref", exc) from exc
+        node.swa_lock_spans.pop()
         self._full_evictable += moved
         self._full_protected -= moved
         return moved
@@ -537,11 +721,42 @@ class SWARadixCache(BuiltFromContext):
             node = next(iter(self._dead))
             del self._dead[node]
             return node
-        return self.full_policy.pop()
+        popped = self.full_policy.pop()
+        if popped is None:
+            return None
+        if (
+            not isinstance(popped, SWARadixNode)
+            or popped.parent is None
+            or popped.parent.children.get(popped.edge) is not popped
+            or popped.full_lock_ref
+            or popped.children
+            or popped.swa_tombstone
+        ):
+            raise ValueError(f"pop() returned {popped!r}, which is not an evictable leaf here")
+        return popped
+
+    def _next_swa_victim(self) -> SWARadixNode | None:
+        popped = self.swa_policy.pop()
+        if popped is None:
+            return None
+        if (
+            not isinstance(popped, SWARadixNode)
+            or popped.parent is None
+            or popped.parent.children.get(popped.edge) is not popped
+            or popped.swa_lock_ref
+            or popped.swa_tombstone
+        ):
+            raise ValueError(f"pop() returned {popped!r}, which is not window-evictable here")
+        return popped
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free ``params.num_tokens`` full and ``params.swa_num_tokens`` window tokens (see the
-        module docstring); when less is evictable, free what can be and say so in the result."""
+        module docstring); when less is evictable, free what can be and say so in the result.
+
+        All or nothing when a policy fails or ``allocator.free`` fails: every victim is put
+        back. If ``allocator.free_swa`` (called last) fails, the full-pool part stays done and
+        only the window part is put back.
+        """
         if not isinstance(params, EvictParams):
             raise TypeError(f"evict takes EvictParams, got {type(params).__name__}")
         full_need, swa_need = params.num_tokens, params.swa_num_tokens
@@ -551,59 +766,98 @@ class SWARadixCache(BuiltFromContext):
         full_freed = swa_freed = tombstoned = 0
         full_victims: list[torch.Tensor] = []
         swa_victims: list[torch.Tensor] = []
+        counters = self._counters()
+        undo: list[Callable[[], None]] = []
+        stage = "policy"
+        try:
+            while full_freed < full_need:
+                leaf = self._next_full_victim()
+                if leaf is None:
+                    break
+                assert leaf.value is not None and leaf.parent is not None
+                cut = -(-(full_need - full_freed) // page) * page
+                live = not leaf.swa_tombstone
+                if cut < leaf.num_tokens:  # exact: free the tail pages, keep the head cached
+                    keep = leaf.num_tokens - cut
+                    old = (leaf.key, leaf.value, leaf.num_tokens)
+                    undo.append(functools.partial(self._set_kv, leaf, *old))
+                    full_victims.append(leaf.value[keep:])
+                    self._set_kv(leaf, leaf.key[:keep], leaf.value[:keep], keep)
+                    self._refresh(leaf)
+                    freed = cut
+                else:
+                    full_victims.append(leaf.value)
+                    freed = leaf.num_tokens
+                    parent = leaf.parent
+                    del parent.children[leaf.edge]
+                    leaf.parent = None
+                    undo.append(functools.partial(self._relink, leaf, parent))
+                    self.swa_policy.discard(leaf)
+                    self._refresh(parent)
+                full_freed += freed
+                self._full_evictable -= freed
+                if live:
+                    swa_freed += freed
+                    self._swa_evictable -= freed
+            full_counters = self._counters()
+            full_undo = len(undo)
+            while swa_freed < swa_need:
+                node = self._next_swa_victim()
+                if node is None:
+                    break
+                assert node.value is not None
+                cut = -(-(swa_need - swa_freed) // page) * page
+                target = self._split(node, cut) if cut < node.num_tokens else node
+                assert target.value is not None
+                swa_victims.append(target.value)
+                target.swa_tombstone = True
+                undo.append(functools.partial(setattr, target, "swa_tombstone", False))
+                swa_freed += target.num_tokens
+                tombstoned += target.num_tokens
+                self._swa_evictable -= target.num_tokens
+                self._refresh(target)
+                if target is not node:
+                    self._refresh(node)  # the live tail goes back into the window set
+            if full_victims:
+                stage = "free"
+                self.allocator.free(torch.cat(full_victims))
+            if swa_victims:
+                stage = "free_swa"
+                self.allocator.free_swa(torch.cat(swa_victims))
+        except Exception as exc:
+            if stage == "free_swa":  # the full part is done: put back only the window part
+                for action in reversed(undo[full_undo:]):
+                    action()
+                self._set_counters(full_counters)
+                self._resync()
+                self._record_eviction(full_freed, full_freed - (swa_freed - tombstoned), 0)
+                raise
+            for action in reversed(undo):
+                action()
+            self._set_counters(counters)
+            self._resync()
+            if stage == "free":
+                raise
+            raise policy_error(self.full_policy, "evict", exc) from exc
+        self._record_eviction(full_freed, swa_freed, tombstoned)
+        return EvictResult(num_tokens=full_freed, swa_num_tokens=swa_freed)
 
-        while full_freed < full_need:
-            leaf = self._next_full_victim()
-            if leaf is None:
-                break
-            cut = -(-(full_need - full_freed) // page) * page
-            live = not leaf.swa_tombstone
-            if cut < leaf.num_tokens:  # exact: free the tail pages, keep the head cached
-                keep = leaf.num_tokens - cut
-                full_victims.append(leaf.value[keep:])
-                leaf.key, leaf.value, leaf.num_tokens = leaf.key[:keep], leaf.value[:keep], keep
-                self._refresh(leaf)
-                freed = cut
-            else:
-                full_victims.append(leaf.value)
-                freed = leaf.num_tokens
-                parent = leaf.parent
-                del parent.children[leaf.edge]
-                leaf.parent = None
-                self.swa_policy.discard(leaf)
-                self._refresh(parent)
-            full_freed += freed
-            self._full_evictable -= freed
-            if live:
-                swa_freed += freed
-                self._swa_evictable -= freed
-
-        while swa_freed < swa_need:
-            node = self.swa_policy.pop()
-            if node is None:
-                break
-            cut = -(-(swa_need - swa_freed) // page) * page
-            target = self._split(node, cut) if cut < node.num_tokens else node
-            swa_victims.append(target.value)
-            target.swa_tombstone = True
-            swa_freed += target.num_tokens
-            tombstoned += target.num_tokens
-            self._swa_evictable -= target.num_tokens
-            self._refresh(target)
-            if target is not node:
-                self._refresh(node)  # the live tail goes back into the window set
-
-        if full_victims:
-            self.allocator.free(torch.cat(full_victims))
-        if swa_victims:
-            self.allocator.free_swa(torch.cat(swa_victims))
+    def _record_eviction(self, full_freed: int, swa_freed: int, tombstoned: int) -> None:
         stats = self.stats
         stats.evictions += 1
         stats.evicted_tokens += full_freed
         stats.swa_evicted_tokens += swa_freed
         emit_removed(self.events, self.name, full_freed)
         emit_removed(self.events, self.name, tombstoned, reason="swa_evicted")
-        return EvictResult(num_tokens=full_freed, swa_num_tokens=swa_freed)
+
+    @staticmethod
+    def _set_kv(node: SWARadixNode, key: tuple[int, ...], value: torch.Tensor, n: int) -> None:
+        node.key, node.value, node.num_tokens = key, value, n
+
+    @staticmethod
+    def _relink(node: SWARadixNode, parent: SWARadixNode) -> None:
+        node.parent = parent
+        parent.children[node.edge] = node
 
     # -- whole-cache operations -----------------------------------------------------------------
 
@@ -617,7 +871,7 @@ class SWARadixCache(BuiltFromContext):
 
     def all_values_flatten(self) -> torch.Tensor:
         """Every cached full slot (int64, on device): for checks and debugging."""
-        values = [n.value for n in self._nodes()]
+        values = [n.value for n in self._nodes() if n.value is not None]
         return torch.cat(values) if values else self._empty
 
     def reset(self) -> None:
@@ -631,9 +885,10 @@ class SWARadixCache(BuiltFromContext):
             )
         dropped = self.total_size()
         if dropped:
-            self.allocator.free(self.all_values_flatten())
-        self.full_policy.clear()
-        self.swa_policy.clear()
+            self.allocator.free(self.all_values_flatten())  # raises: nothing changed
+        with contextlib.suppress(Exception):  # the slots are freed: a fresh tree is right
+            self.full_policy.clear()
+            self.swa_policy.clear()
         self._new_tree()
         if self.events is not None:
             self.events.cache_cleared(CacheCleared(cache=self.name, num_tokens=dropped))

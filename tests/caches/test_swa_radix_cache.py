@@ -247,14 +247,27 @@ def test_insert_revives_an_unlocked_tombstone_with_the_new_slots():
     assert not set(old.tolist()) & cached_slots(cache)
 
 
-def test_a_locked_tombstone_is_not_revived():
+def test_a_locked_tombstone_is_revived_from_the_fresh_window_kv():
+    # issue 7 §5, SGLang's recovery with a locked full side: the node keeps the full slots the
+    # lock holder reads and takes the inserting request's window slots; the fresh full slots
+    # are freed. Before, the fresh window KV was freed as a duplicate and A stayed unmatchable.
     cache, allocator = make_swa(window=4)
     handle = _chain(cache, allocator)
     cache.inc_lock_ref(handle)
     cache.evict(EvictParams(swa_num_tokens=8))  # A tombstoned under the lock
-    assert cache.insert(A, allocator.alloc(8)) == 8  # the fresh slots are freed instead
-    assert full_sizes(cache, allocator) == (52, 0, 12) and swa_sizes(cache, allocator) == (28, 0, 4)
-    assert cache.match_prefix(A).prefix_len == 0
+    old_full = handle.parent.parent.value.clone()  # A's full slots, read by the lock holder
+    fresh = allocator.alloc(8)
+    fresh_window = allocator.translate_loc_from_full_to_swa(fresh).clone()
+    assert cache.insert(A, fresh) == 8
+    assert full_sizes(cache, allocator) == (52, 0, 12)  # the fresh full slots went back
+    assert swa_sizes(cache, allocator) == (20, 8, 4)  # the fresh window slots are cached
+    m = cache.match_prefix(A)
+    assert m.prefix_len == 8 and m.device_indices.tolist() == old_full.tolist()
+    assert allocator.translate_loc_from_full_to_swa(old_full).tolist() == fresh_window.tolist()
+    assert allocator.translate_loc_from_full_to_swa(fresh).tolist() == [0] * 8
+    cache.dec_lock_ref(handle)
+    cache.evict(EvictParams(num_tokens=64, swa_num_tokens=32))
+    assert full_sizes(cache, allocator) == (64, 0, 0) and swa_sizes(cache, allocator) == (32, 0, 0)
 
 
 def test_insert_with_swa_evicted_seqlen_stores_a_tombstone_head():

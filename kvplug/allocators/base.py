@@ -230,7 +230,11 @@ class BaseAllocator:
         checks and tests. Raises when ownership is not tracked."""
         if not self.tracks_ownership:
             raise RuntimeError("ownership is not tracked (ownership_checks=False)")
-        indices = self._check_indices(indices)
+        indices = self._check_indices(indices, values=False)
+        if indices.numel():
+            lo, hi = torch.stack(torch.aminmax(indices)).tolist()
+            if lo < self._low or hi > self._high:
+                raise ValueError(f"slots must be in {self._low}..{self._high}, got {lo}..{hi}")
         stack, units = self._owner_units(indices)
         assert stack.state is not None
         return stack.state.index_select(0, units)

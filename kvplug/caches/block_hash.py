@@ -514,8 +514,8 @@ class BlockHashCache(BuiltFromContext):
         block = self._check_handle(node)
         if block.own_locks == 0:
             raise ValueError(
-                f"dec_lock_ref on {block!r}, which holds no reference of its own (an ancestor "
-                "of a locked block, or the root, cannot be unlocked)"
+                f"dec_lock_ref on {block!r}, which holds no reference of its own: not locked "
+                "by this handle (an ancestor of a locked block, or the root, cannot be unlocked)"
             )
         chain = self._chain_to_root(block)
         freed = [b for b in chain if b.ref_count == 1]

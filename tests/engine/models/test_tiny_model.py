@@ -226,9 +226,7 @@ def test_window_mask_matters() -> None:
     assert float(diff[5:].max()) > 1e-2
 
 
-def test_a_wrong_slot_in_a_match_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One corrupted index in a match changes the output: the equality tests can see it."""
-    stack = kvplug.build(CACHES["radix-page1"])
+def _corrupt_matches(monkeypatch: pytest.MonkeyPatch, stack: Any) -> None:
     cache = stack.prefix_cache
     real_match = cache.match_prefix
 
@@ -239,10 +237,33 @@ def test_a_wrong_slot_in_a_match_is_seen(monkeypatch: pytest.MonkeyPatch) -> Non
         return match
 
     monkeypatch.setattr(cache, "match_prefix", corrupted)
+
+
+def test_a_wrong_slot_in_a_match_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One corrupted index in a match changes the output: the equality tests can see it.
+
+    Ownership checks are off here: with them (the default) the insert that follows already
+    rejects the wrong slot (next test), so the model would never get to show it.
+    """
+    config = stack_config(allocator_options={"ownership_checks": False})
+    stack = kvplug.build(config)
+    _corrupt_matches(monkeypatch, stack)
     model = TinyModel(TinyConfig.for_stack(stack), record_logits=True)
     outputs = serve(stack, model, prompts(), MAX_NEW, max_running=2).outputs
     with pytest.raises(AssertionError):
         check_against_reference(model, outputs)
+
+
+def test_a_wrong_slot_in_a_match_is_refused_by_the_ownership_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By default the insert that would cache the wrong slot (one the cache owns already, under
+    another position) is rejected before anything changes."""
+    stack = kvplug.build(CACHES["radix-page1"])
+    _corrupt_matches(monkeypatch, stack)
+    model = TinyModel(TinyConfig.for_stack(stack), record_logits=True)
+    with pytest.raises(ValueError, match="owned by the cache, expected held"):
+        serve(stack, model, prompts(), MAX_NEW)
 
 
 def test_a_pool_of_another_geometry_is_refused() -> None:

@@ -6,8 +6,11 @@ For each case the median over ``--repeat`` timed runs of ``--inner`` iterations 
 microseconds per step, nanoseconds per token and steps (alloc+free pairs) per second.
 ``ratio`` compares with a reference free list that appends with ``torch.cat`` on every free (how
 SGLang's TokenToKVPoolAllocator keeps its free slots): above 1 means kvplug is faster.
-``checks=off`` rows disable the bounds check of freed indices, the one host sync per ``free``.
-No pool memory is allocated: allocators manage indices only.
+``checks`` says which checks run: ``bounds`` the range check of freed indices only (the default
+before ownership tracking), ``owner`` the default (range check + slot ownership: one scatter per
+alloc, one scatter and two gathers per free, in the same single host sync), ``off`` neither (no
+host sync). A second table puts ``bounds`` and ``owner`` medians side by side: the cost of the
+default ownership checks. No pool memory is allocated: allocators manage indices only.
 """
 
 from __future__ import annotations
@@ -112,8 +115,12 @@ def run_device(device: torch.device, args: argparse.Namespace) -> list[tuple]:
     batches = [1, 8, 64, 512] if not args.quick else [1, 64, 512]
     extends = [1024, 4096, 16384, 65536] if not args.quick else [1024, 65536]
     rows: list[tuple] = []
-    for checks in ("on", "off"):
-        kw = {"device": device, "check_bounds": checks == "on"}
+    for checks in ("bounds", "owner", "off"):
+        kw = {
+            "device": device,
+            "check_bounds": checks != "off",
+            "ownership_checks": checks == "owner",
+        }
 
         def std(kw=kw):
             return StandardAllocator(CAPACITY, **kw)
@@ -146,7 +153,7 @@ def run_device(device: torch.device, args: argparse.Namespace) -> list[tuple]:
             for n in sizes:
                 seconds = timeit(make_step(n), device, args.repeat, args.inner)
                 ref = None
-                if compare and checks == "on":
+                if compare and checks == "owner":
                     cat_list = CatFreeList(CAPACITY, device)
                     ref = timeit(alloc_free(cat_list, n), device, args.repeat, args.inner)
                 rows.append((str(device), name, checks, case, n, seconds, ref))
@@ -198,14 +205,33 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
+    rows = []
     for device in devices:
         for dev, name, checks, case, n, sec, ref in run_device(device, args):
+            rows.append((dev, name, checks, case, n, sec))
             ratio = f"{ref / sec:6.2f}" if ref else ""
             print(
                 f"{dev:<7} {name:<9} {checks:<6} {case:<16} {n:>7} "
                 f"{sec * 1e6:>9.1f} {sec * 1e9 / n:>9.1f} "
                 f"{1 / sec:>10.0f} {ratio:>6}"
             )
+    print()
+    print("ownership checks (default) vs range check only, median us/step:")
+    header = (
+        f"{'device':<7} {'allocator':<9} {'case':<16} {'tokens':>7} "
+        f"{'bounds':>9} {'owner':>9} {'cost':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    by_key = {(d, a, c, n, k): sec for d, a, k, c, n, sec in rows}
+    for dev, name, checks, case, n, sec in rows:
+        if checks != "owner":
+            continue
+        before = by_key[(dev, name, case, n, "bounds")]
+        print(
+            f"{dev:<7} {name:<9} {case:<16} {n:>7} {before * 1e6:>9.1f} {sec * 1e6:>9.1f} "
+            f"{(sec / before - 1) * 100:>6.0f}%"
+        )
 
 
 if __name__ == "__main__":

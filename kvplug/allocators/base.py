@@ -186,11 +186,10 @@ class BaseAllocator:
         self._low, self._high = page_size, size + page_size - 1
         self._free_group: list[torch.Tensor] | None = None
         # scratch for the duplicate check: every position writes its number into its slot's cell
-        self._dup_scratch = (
-            torch.zeros(size + page_size, dtype=torch.int64, device=self.device)
-            if self.tracks_ownership
-            else None
-        )
+        self._dup_scratch = self._positions = None
+        if self.tracks_ownership:
+            self._dup_scratch = torch.zeros(size + page_size, dtype=torch.int64, device=self.device)
+            self._positions = torch.arange(size + page_size, device=self.device)
 
     # -- to implement -------------------------------------------------------------------------
     def available_size(self) -> int:
@@ -330,13 +329,18 @@ class BaseAllocator:
             safe = indices.clamp(self._low, self._high)  # out-of-range ones fail the range check
             stack, units = self._owner_units(safe)
             assert stack.state is not None and self._dup_scratch is not None
+            assert self._positions is not None
             state = stack.state.index_select(0, units)
             bad = state == FREE if require is None else state != require
-            positions = torch.arange(safe.numel(), device=safe.device)
+            n = safe.numel()
+            if n > self._positions.numel():  # more indices than slots: some repeat
+                positions = torch.arange(n, device=safe.device)
+            else:
+                positions = self._positions[:n]
             self._dup_scratch.scatter_(0, safe, positions)
             dup = self._dup_scratch.index_select(0, safe) != positions
-            parts += [bad.sum(), dup.sum()]
-        lo, hi, *counts = torch.stack(parts).tolist()
+            parts.append((bad | dup).sum())
+        lo, hi, *problems = torch.stack(parts).tolist()
         for value in (lo, hi):
             if 0 <= value < self._low:
                 raise ValueError(
@@ -357,11 +361,13 @@ class BaseAllocator:
         if not track:
             return
         assert bad is not None and dup is not None
+        if not problems[0]:
+            return
         verb = "freed" if require is None else "given"
-        if counts[1]:
+        if bool(dup.any()):
             i = int(torch.nonzero(dup)[0])
             raise ValueError(f"slot {int(indices[i])} is {verb} twice in one call (position {i})")
-        if counts[0]:
+        if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             stack, units = self._owner_units(indices[i : i + 1])
             assert stack.state is not None

@@ -264,15 +264,15 @@ OPERATIONS = (
 )
 
 
-@pytest.mark.parametrize("kind", TREE_KINDS)
+POLICY_SLOTS = [(kind, 0) for kind in TREE_KINDS] + [("swa_radix", 1)]  # swa: full, window
+
+
+@pytest.mark.parametrize("kind, which", POLICY_SLOTS)
 @pytest.mark.parametrize("operation", OPERATIONS)
 @pytest.mark.parametrize("method, mode", TRAPS)
-@pytest.mark.parametrize("which", [0, 1])
-def test_a_broken_policy_leaves_the_cache_as_it_was(kind, operation, method, mode, which):
+def test_a_broken_policy_leaves_the_cache_as_it_was(kind, which, operation, method, mode):
     s = Scenario(kind)
     policies = s.policies()
-    if which >= len(policies):
-        pytest.skip("one policy")
     call = _operations(s)[operation]
     before = s.snapshot()
     policies[which].arm(method, mode=mode)

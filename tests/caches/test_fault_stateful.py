@@ -52,7 +52,7 @@ traps = st.sampled_from(
 )
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     key: CacheKey
     handle: Any
@@ -119,14 +119,14 @@ class FaultMachine(RuleBasedStateMachine):
         key = CacheKey(tokens)
         result: dict[str, Any] = {}
 
-        def admit() -> None:
-            m = self.cache.match_prefix(key)
-            self.cache.inc_lock_ref(m.last_node)
-            result["match"] = m
+        def match() -> None:
+            result["match"] = self.cache.match_prefix(key)
 
-        if not self._guarded(admit):
+        if not self._guarded(match):
             return
         m = result["match"]
+        if not self._guarded(lambda: self.cache.inc_lock_ref(m.last_node)):
+            return
         need = -(-(len(tokens) - m.prefix_len) // self.page) * self.page
         short = need - self.allocator.available_size()
         if short > 0:

@@ -23,10 +23,13 @@ class KeyedEvictionPolicy:
     """Evicts the candidate with the smallest ``key()``; ties go to the smaller ``node_id``.
 
     Set ``touch_changes_key = False`` when the key does not depend on access statistics
-    (FIFO, FILO): ``touch`` is then free.
+    (FIFO, FILO): ``touch`` is then free. ``touch_candidates_only`` tells a cache that touching
+    anything but a current candidate is a no-op here, so it may skip those calls (a radix match
+    then touches only the last node of its path instead of every node).
     """
 
     touch_changes_key: ClassVar[bool] = True
+    touch_candidates_only: ClassVar[bool] = True
 
     def __init__(self, options: Any = None) -> None:
         self.options = options

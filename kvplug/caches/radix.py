@@ -6,6 +6,13 @@ between two nodes. A node's children are keyed by their first token (``page_size
 first page (a tuple); children of the root are keyed by ``(extra_key, first)``, so two
 namespaces never share a node. A match that ends inside a node splits it.
 
+Speed (issue 10): a walk step is one dict lookup and one C-level compare of the whole edge;
+every node keeps the slots of its whole path (``path_value``, a view), so a match returns one
+tensor instead of gathering one per node; handles are checked in O(1) (an owner stamp, not a
+walk to the root); only the one node that can be an eviction candidate (the last of a path:
+every other one has a child) is touched, discarded or added; an ``insert`` given the ``prev``
+match continues from it instead of walking the prefix again. All of it with every check on.
+
 Engine sequence (SGLang's ``cache_finished_req`` / ``cache_unfinished_req`` in plain calls)::
 
     key = CacheKey(tokens, extra_key)
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -67,9 +74,11 @@ from .common import (
     release_ownership,
     take_ownership,
 )
-from .radix_tree import child_key, common_len
+from .radix_tree import common_len
 
 __all__ = ["RadixCache", "RadixCacheOptions", "RadixNode"]
+
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)  # a node's slots before insert and once freed
 
 
 class RadixCacheOptions(FrozenModel):
@@ -99,18 +108,38 @@ class RadixNode(CandidateStats):
 
     ``edge`` is this node's key in ``parent.children``; ``lock_ref`` counts requests using the
     prefix that ends here or below, ``own_locks`` the locks taken *at* this node (the handles
-    ``dec_lock_ref`` accepts). A freed node has ``parent is None``.
+    ``dec_lock_ref`` accepts). A freed node has ``parent is None``; ``owner`` is the tree (a
+    token ``reset`` renews) it was created in. ``path_value`` holds the slots from the root to
+    its end (``value`` is its tail): a cached node's path never changes. ``depth + num_tokens``
+    is where it ends; ``path_hash`` hashes its namespace and every token from the root to its
+    end (``0`` after an exact eviction cut its tail, until a walk ends at it again): what
+    ``insert(prev=...)`` checks. ``content_id`` identifies where its content starts (see
+    ``_start_id``).
     """
 
-    __slots__ = ("children", "edge", "key", "lock_ref", "own_locks", "parent", "value")
+    __slots__ = (
+        "children",
+        "edge",
+        "key",
+        "lock_ref",
+        "own_locks",
+        "owner",
+        "parent",
+        "path_hash",
+        "path_value",
+        "value",
+    )
 
-    def __init__(self, now: int, priority: int = 0) -> None:
+    def __init__(self, now: int, priority: int = 0, owner: object = None) -> None:
         super().__init__(now, priority)
+        self.owner = owner
         self.children: dict[Any, RadixNode] = {}
         self.parent: RadixNode | None = None
         self.edge: Any = None
         self.key: tuple[int, ...] = ()
-        self.value: torch.Tensor | None = None
+        self.value: torch.Tensor = _NO_SLOTS
+        self.path_value: torch.Tensor = _NO_SLOTS
+        self.path_hash = 0
         self.num_tokens = 0
         self.lock_ref = 0
         self.own_locks = 0
@@ -160,13 +189,17 @@ class RadixCache(BuiltFromContext):
         self.stats = CacheStats()
         self.policy = policy
         self._exact = options.granularity == "exact"
+        # a policy that learns from touches of non-candidates (e.g. hits on locked or inner
+        # nodes) gets every node of a path touched; the built-in keyed ones only the candidate
+        self._touch_all = not getattr(policy, "touch_candidates_only", False)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._clock = 0
         self._new_tree()
 
     def _new_tree(self) -> None:
-        self.root = RadixNode(self._clock, priority=0)
-        self.root.value = self._empty
+        self._tree = object()  # handles of an older tree (before reset) fail the owner check
+        self.root = RadixNode(self._clock, priority=0, owner=self._tree)
+        self.root.value = self.root.path_value = self._empty
         self.root.lock_ref = 1  # never evicted, never in the policy
         self._evictable = 0
         self._protected = 0
@@ -187,28 +220,32 @@ class RadixCache(BuiltFromContext):
 
     # -- lookup and insert ----------------------------------------------------------------------
 
-    def _split(self, child: RadixNode, length: int) -> RadixNode:
+    def _split(
+        self, child: RadixNode, length: int, ids: tuple[int, ...], extra_key: str | None
+    ) -> RadixNode:
         """Cut ``child`` after ``length`` tokens; a new node takes the head and child's place.
 
-        The tail keeps its identity (a lock handle stays valid). The tree is relinked before the
-        policy hears of it, so a failing policy leaves a consistent tree (and a resync fixes it).
+        The tail keeps its identity (a lock handle stays valid). ``ids`` is the key being walked
+        (the head's content, for ``path_hash``). The tree is relinked before the policy hears
+        of it, so a failing policy leaves a consistent tree (and a resync fixes it).
         """
-        parent = child.parent
-        assert parent is not None and child.value is not None
-        head = RadixNode(child.creation_time, child.priority)
+        parent = cast(RadixNode, child.parent)
+        head = RadixNode(child.creation_time, child.priority, child.owner)
         head.last_access_time = child.last_access_time
         head.hit_count = child.hit_count
+        head.lock_ref = child.lock_ref
         head.depth, head.namespace, head.new_tokens = child.depth, child.namespace, child.new_tokens
         head.content_id = child.content_id  # the head starts where the child started
-        head.lock_ref = child.lock_ref
+        head.path_hash = hash((extra_key, ids[: child.depth + length]))
         head.parent, head.edge = parent, child.edge
         head.key, head.value, head.num_tokens = child.key[:length], child.value[:length], length
+        head.path_value = child.path_value[: child.depth + length]
         parent.children[head.edge] = head
         child.key, child.value = child.key[length:], child.value[length:]
         child.num_tokens -= length
-        child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
         child.depth += length
         child.content_id = _start_id(child.namespace, child.depth, child.key)
+        child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
         child.parent = head
         head.children[child.edge] = child
         if child in self.policy:  # its size changed: let size-aware policies re-rank it
@@ -216,78 +253,109 @@ class RadixCache(BuiltFromContext):
             self.policy.add(child)
         return head
 
-    def _lookup(
-        self, ids: tuple[int, ...], end: int, extra_key: str | None
-    ) -> tuple[list[RadixNode], int, list[torch.Tensor]]:
-        """Read-only descent along ``ids[:end]``: the matched nodes, the length, the slots."""
-        node, pos = self.root, 0
-        nodes: list[RadixNode] = []
-        values: list[torch.Tensor] = []
-        while pos < end:
-            child = node.children.get(
-                child_key(ids, pos, self.page_size, node is self.root, extra_key)
-            )
-            if child is None:
-                break
-            assert child.value is not None
-            length = common_len(child.key, ids, pos, end, self.page_size)
-            nodes.append(child)
-            values.append(child.value[:length])
-            node, pos = child, pos + length
-            if length < child.num_tokens:
-                break
-        return nodes, pos, values
-
     def _walk(
         self,
         ids: tuple[int, ...],
         end: int,
         extra_key: str | None,
+        node: RadixNode | None = None,
+        pos: int = 0,
+    ) -> tuple[RadixNode, int, list[RadixNode]]:
+        """Descend along ``ids[pos:end]`` from ``node`` (the root); split where the match ends
+        inside a node. Returns the last matched node, the matched length and the walked nodes.
+
+        One step is a dict lookup and one C-level compare of the whole edge; the page-wise
+        bisection (``common_len``) runs only on the node where the match ends. No statistic
+        changes here (see ``_stamp``), so a failure leaves nothing to undo but the policy.
+        """
+        page = self.page_size
+        if node is None:
+            node = self.root
+        path: list[RadixNode] = []
+        if pos >= end:
+            return node, pos, path
+        first = ids[pos] if page == 1 else ids[pos : pos + page]
+        child = node.children.get((extra_key, first) if node is self.root else first)
+        while child is not None:
+            nxt = pos + child.num_tokens
+            if nxt > end or ids[pos:nxt] != child.key:
+                nxt = pos + common_len(child.key, ids, pos, end, page)
+                child = self._split(child, nxt - pos, ids, extra_key)
+                end = nxt  # the walk ends in this node
+            path.append(child)
+            node, pos = child, nxt
+            if pos >= end:
+                break
+            child = node.children.get(ids[pos] if page == 1 else ids[pos : pos + page])
+        if not node.path_hash and pos:  # cut by an exact eviction since it was hashed
+            node.path_hash = hash((extra_key, ids[:pos]))
+        return node, pos, path
+
+    def _touch_last(self, node: RadixNode, now: int, hit: bool, priority: int | None) -> None:
+        """Stamp the last node of a path and tell the policy when it is a candidate (the only
+        node of a path that can be). A failing policy gets the node's statistics back."""
+        saved = node.last_access_time, node.hit_count, node.priority
+        node.last_access_time = now
+        if hit:
+            node.hit_count += 1
+        if priority is not None and priority > node.priority:
+            node.priority = priority
+        if node.lock_ref == 0 and not node.children:
+            try:
+                self.policy.touch(node)
+            except Exception:
+                node.last_access_time, node.hit_count, node.priority = saved
+                raise
+
+    def _stamp(
+        self,
         path: list[RadixNode],
-        *,
+        now: int,
         hit_from: int | None,
         priority: int | None,
-        stamp: bool = True,
-    ) -> RadixNode:
-        """Descend along ``ids[:end]`` (known to match ``len(path)`` nodes), split where the match
-        ends inside a node, stamp every matched node. A node ending past ``hit_from`` gets one
-        hit (``None``: no hits). Appends the matched nodes to ``path``; returns the last one."""
-        now = self._clock
-        policy = self.policy
-        node, pos = self.root, 0
-        while pos < end:
-            child = node.children.get(
-                child_key(ids, pos, self.page_size, node is self.root, extra_key)
-            )
-            if child is None:
-                break
-            length = common_len(child.key, ids, pos, end, self.page_size)
-            if length < child.num_tokens:
-                child = self._split(child, length)
-            path.append(child)
-            if stamp:
-                child.last_access_time = now
-                if hit_from is not None and pos + length > hit_from:
-                    child.hit_count += 1
-                if priority is not None and priority > child.priority:
-                    child.priority = priority
-                policy.touch(child)
-            node, pos = child, pos + length
-        return node
-
-    @staticmethod
-    def _saved_stats(nodes: list[RadixNode]) -> list[tuple[int, int, int]]:
-        return [(n.last_access_time, n.hit_count, n.priority) for n in nodes]
-
-    def _restore(
-        self, clock: int, path: list[RadixNode], saved: list[tuple[int, int, int]]
     ) -> None:
-        """Undo stamps after a failure (the i-th walked node stands for the i-th looked-up one:
-        a split head copied its stats before it was stamped), then rebuild the policy's set."""
-        self._clock = clock
-        for node, (time, hits, priority) in zip(path, saved, strict=False):
-            node.last_access_time, node.hit_count, node.priority = time, hits, priority
-        self._resync_policy()
+        """Give every walked node the time ``now``, one hit when it ends past ``hit_from``
+        (``None``: none) and at least ``priority``. The last node goes first (the only policy
+        call, undone on failure); the others cannot fail."""
+        if not path:
+            return
+        if self._touch_all:
+            self._stamp_and_touch_all(path, now, hit_from, priority)
+            return
+        last = path[-1]
+        hit_last = hit_from is not None and last.depth + last.num_tokens > hit_from
+        self._touch_last(last, now, hit_last, priority)
+        if hit_from == 0 and priority is None:  # a match: the common case, kept tight
+            for node in path[:-1]:
+                node.last_access_time = now
+                node.hit_count += 1
+            return
+        for node in path[:-1]:
+            node.last_access_time = now
+            if hit_from is not None and node.depth + node.num_tokens > hit_from:
+                node.hit_count += 1
+            if priority is not None and priority > node.priority:
+                node.priority = priority
+
+    def _stamp_and_touch_all(
+        self, path: list[RadixNode], now: int, hit_from: int | None, priority: int | None
+    ) -> None:
+        """``_stamp`` for a policy that wants every node of the path touched (third-party and
+        learning policies): the path's statistics are saved first and put back on failure."""
+        saved = [(n, n.last_access_time, n.hit_count, n.priority) for n in path]
+        for node in path:
+            node.last_access_time = now
+            if hit_from is not None and node.depth + node.num_tokens > hit_from:
+                node.hit_count += 1
+            if priority is not None and priority > node.priority:
+                node.priority = priority
+        try:
+            for node in path:
+                self.policy.touch(node)
+        except Exception:
+            for node, time, hits, prio in saved:
+                node.last_access_time, node.hit_count, node.priority = time, hits, prio
+            raise
 
     def _resync_policy(self) -> None:
         """Make the policy's candidate set the tree's unlocked leaves again (error path only).
@@ -314,35 +382,32 @@ class RadixCache(BuiltFromContext):
         """The longest cached prefix of ``key`` (in whole pages) and the node it ends at.
 
         Every matched node gets the current logical time and one more hit, then the policy is
-        told (``touch``). ``device_indices`` is a fresh int64 tensor on the allocator's device.
+        told (``touch``, on the one node that can be a candidate). ``device_indices`` is a
+        fresh int64 tensor on the allocator's device.
 
         ``record_hit=False`` is a probe (an engine ranking its waiting queue): it changes no
-        statistic, hit count, clock or recency, and splits nothing. ``gather=False`` skips
-        building the index tensor (``device_indices`` is empty; ``prefix_len`` and ``last_node``
-        are still right). The key is validated before anything changes; a failing policy leaves
-        the cache as it was and raises ``PolicyError``.
+        statistic, hit count, clock or recency (a node may be split where the match ends: the
+        cached content does not change). ``gather=False`` skips building the index tensor
+        (``device_indices`` is empty; ``prefix_len`` and ``last_node`` are still right). The key
+        is validated before anything changes; a failing policy leaves the cache as it was and
+        raises ``PolicyError``.
         """
         ids, extra_key = check_key(key)
         end = len(ids) - len(ids) % self.page_size
-        nodes, pos, values = self._lookup(ids, end, extra_key)
-        clock, saved = self._clock, self._saved_stats(nodes)
-        path: list[RadixNode] = []
         try:
+            node, pos, path = self._walk(ids, end, extra_key)
             if record_hit:
-                self._clock += 1
-            node = self._walk(
-                ids, end, extra_key, path, hit_from=0, priority=None, stamp=record_hit
-            )
+                self._stamp(path, self._clock + 1, 0, None)
         except Exception as exc:
-            self._restore(clock, path, saved)
+            self._resync_policy()
             raise policy_error(self.policy, "match_prefix", exc) from exc
-        indices = torch.cat(values) if gather and values else self._empty
-        if not record_hit:
-            return MatchResult(device_indices=indices, last_node=node, prefix_len=pos)
-        stats = self.stats
-        stats.match_queries += 1
-        stats.match_query_tokens += len(ids)
-        stats.hit_tokens += pos
+        indices = node.path_value.clone() if gather and pos else self._empty
+        if record_hit:
+            self._clock += 1
+            stats = self.stats
+            stats.match_queries += 1
+            stats.match_query_tokens += len(ids)
+            stats.hit_tokens += pos
         return MatchResult(device_indices=indices, last_node=node, prefix_len=pos)
 
     def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
@@ -350,29 +415,46 @@ class RadixCache(BuiltFromContext):
         (SGLang's ``touch_prefix`` for requests that keep waiting)."""
         ids, extra_key = check_key(key)
         end = len(ids) - len(ids) % self.page_size
-        nodes, _, _ = self._lookup(ids, end, extra_key)
-        clock, saved = self._clock, self._saved_stats(nodes)
-        path: list[RadixNode] = []
         try:
-            self._clock += 1
-            self._walk(ids, end, extra_key, path, hit_from=None, priority=None)
+            _, _, path = self._walk(ids, end, extra_key)
+            self._stamp(path, self._clock + 1, None, None)
         except Exception as exc:
-            self._restore(clock, path, saved)
+            self._resync_policy()
             raise policy_error(self.policy, "touch_prefix", exc) from exc
+        self._clock += 1
 
     def path_indices(self, node: RadixNode) -> torch.Tensor:
         """The slots from the root to ``node`` (int64, on device), root side first."""
         self._check_handle(node)
-        values = []
-        x: RadixNode | None = node
-        while x is not None and x is not self.root:
-            assert x.value is not None
-            values.append(x.value)
-            x = x.parent
-        if not values:
-            return self._empty
-        values.reverse()
-        return torch.cat(values) if len(values) > 1 else values[0].clone()
+        return node.path_value.clone() if node is not self.root else self._empty
+
+    def _resume_point(
+        self, prev: MatchResult, ids: tuple[int, ...], end: int, extra_key: str | None
+    ) -> RadixNode | None:
+        """The node an insert can continue from, given the match ``prev`` that preceded it, or
+        ``None`` (walk from the root) when ``prev`` no longer describes this key's cached path.
+
+        Checked without a tree walk: the node is alive in this tree, still ends at
+        ``prev.prefix_len``, and its content hash equals the hash of this key's first
+        ``prefix_len`` tokens (computed in C). A wrong key never grafts a leaf onto a foreign
+        path, and ``prev.device_indices`` is not trusted (the node's own slots are used).
+        """
+        if not isinstance(prev, MatchResult):
+            raise TypeError(
+                f"prev must be the MatchResult of match_prefix, got {type(prev).__name__}"
+            )
+        node: RadixNode = prev.last_node
+        plen = prev.prefix_len
+        self._check_type(node)
+        if node.owner is not self._tree or not isinstance(plen, int) or plen > end:
+            return None
+        if node is self.root:
+            return node if plen == 0 else None
+        if node.parent is None or node.depth + node.num_tokens != plen:
+            return None  # evicted or cut since the match
+        if node.path_hash != hash((extra_key, ids[:plen])):
+            return None
+        return node
 
     def insert(
         self,
@@ -381,6 +463,7 @@ class RadixCache(BuiltFromContext):
         *,
         priority: int = 0,
         hits_after: int | None = None,
+        prev: MatchResult | None = None,
     ) -> int:
         """Cache ``key[:aligned]`` with slots ``indices[:aligned]``; return the length already
         cached. See the class docstring for who owns which slots afterwards.
@@ -390,6 +473,11 @@ class RadixCache(BuiltFromContext):
         at match (engines that probe with ``record_hit=False``): each node of the path ending
         past token ``n`` gets one hit, so a request that re-inserts its growing prefix (chunked
         prefill) with ``n`` = what it inserted before counts each node once.
+
+        ``prev``: the ``match_prefix`` result of this key the request got before (SGLang passes
+        its previous prefix length and node alike). The insert then continues from that node
+        instead of walking and comparing the prefix again; when the match is stale (the node
+        was evicted, or the key differs) it walks from the root, with the same result.
 
         All or nothing: the key, the indices and the ownership of the slots the cache takes
         (new ones and duplicates it frees) are checked before anything changes; a failing policy
@@ -401,93 +489,153 @@ class RadixCache(BuiltFromContext):
         if hits_after is not None:
             check_int(hits_after, "hits_after", minimum=0)
         end = len(ids) - len(ids) % self.page_size
-        nodes, pos, values = self._lookup(ids, end, extra_key)
+        start = None if prev is None else self._resume_point(prev, ids, end, extra_key)
+        if self._touch_all:
+            start = None  # the policy wants every node of the path touched: walk it
+        try:
+            if start is None:
+                node, pos, path = self._walk(ids, end, extra_key)
+            else:
+                plen = start.depth + start.num_tokens if start is not self.root else 0
+                node, pos, path = self._walk(ids, end, extra_key, start, plen)
+        except Exception as exc:  # a split's re-rank: the tree is consistent, the policy resynced
+            self._resync_policy()
+            raise policy_error(self.policy, "insert", exc) from exc
         duplicates = self._empty
         if pos:
-            cached = torch.cat(values) if len(values) > 1 else values[0]
             given = indices[:pos]
-            duplicates = given[given != cached]
-        taken = torch.cat([indices[pos:end], duplicates])
+            cached = node.path_value
+            if not torch.equal(given, cached):
+                duplicates = given[given != cached]
+        taken = (
+            torch.cat((indices[pos:end], duplicates)) if duplicates.numel() else indices[pos:end]
+        )
         take_ownership(self.allocator, taken)  # raises (nothing changed) on a slot not held
-        clock, saved = self._clock, self._saved_stats(nodes)
-        path: list[RadixNode] = []
+        now = self._clock + 1
         leaf: RadixNode | None = None
         in_free = False
+        # a failing free comes last, after the stamps: only then are they saved (rare path)
+        saved = self._path_stats(node) if duplicates.numel() else []
         try:
-            self._clock += 1
-            node = self._walk(ids, end, extra_key, path, hit_from=hits_after, priority=priority)
             if pos < end:
-                leaf = RadixNode(self._clock, priority)
+                leaf = RadixNode(now, priority, self._tree)
                 if hits_after is not None and end > hits_after:
                     leaf.hit_count = 1
                 leaf.parent = node
-                leaf.edge = child_key(ids, pos, self.page_size, node is self.root, extra_key)
-                leaf.key, leaf.value = ids[pos:end], indices[pos:end].clone()
+                first = ids[pos] if self.page_size == 1 else ids[pos : pos + self.page_size]
+                leaf.edge = (extra_key, first) if node is self.root else first
+                leaf.key = ids[pos:end]
+                leaf.path_value = torch.cat((node.path_value, indices[pos:end]))
+                leaf.value = leaf.path_value[pos:]
                 leaf.num_tokens = leaf.new_tokens = end - pos
                 leaf.depth, leaf.namespace = pos, extra_key
                 leaf.content_id = _start_id(extra_key, pos, leaf.key)
+                leaf.path_hash = hash((extra_key, ids[:end]))
                 node.children[leaf.edge] = leaf
-                self.policy.discard(node)  # no longer a leaf
+                if node.lock_ref == 0:
+                    self.policy.discard(node)  # no longer a leaf
                 self.policy.add(leaf)
+            if start is None:
+                self._stamp(path, now, hits_after, priority)
+            else:
+                self._stamp_resumed(start, path, now, hits_after, priority)
             if duplicates.numel():
                 in_free = True
                 self.allocator.free(duplicates)
         except Exception as exc:
+            for n, stats in saved:
+                n.last_access_time, n.hit_count, n.priority = stats
             if leaf is not None and leaf.parent is not None:
                 del leaf.parent.children[leaf.edge]
                 leaf.parent = None
-            self._restore(clock, path, saved)
             release_ownership(self.allocator, taken)
+            self._resync_policy()
             if in_free:
                 raise
             raise policy_error(self.policy, "insert", exc) from exc
+        self._clock = now
         if leaf is not None:
             self._evictable += leaf.num_tokens
             self.stats.inserted_tokens += leaf.num_tokens
             emit_stored(self.events, self.name, leaf.num_tokens, extra_key=extra_key)
         return pos
 
+    def _path_stats(self, node: RadixNode) -> list[tuple[RadixNode, tuple[int, int, int]]]:
+        """The statistics an insert may change on the path to ``node``, to put them back."""
+        out = []
+        up: RadixNode | None = node
+        while up is not None and up is not self.root:
+            out.append((up, (up.last_access_time, up.hit_count, up.priority)))
+            up = up.parent
+        return out
+
+    def _stamp_resumed(
+        self,
+        start: RadixNode,
+        path: list[RadixNode],
+        now: int,
+        hits_after: int | None,
+        priority: int,
+    ) -> None:
+        """``_stamp`` for an insert that continued from ``start``: the nodes walked below it as
+        usual; at and above it, hits and priority only, walking up only while one applies (ends
+        shrink and priorities grow towards the root). The path above keeps the match's time, one
+        tick older: only the last node can be a candidate, so the eviction order is the same."""
+        if path:
+            self._stamp(path, now, hits_after, priority)
+            up: RadixNode | None = start
+        else:
+            if start is self.root:
+                return
+            hit = hits_after is not None and start.depth + start.num_tokens > hits_after
+            self._touch_last(start, now, hit, priority)
+            up = start.parent
+        while up is not None and up is not self.root:
+            hit = hits_after is not None and up.depth + up.num_tokens > hits_after
+            if not hit and priority <= up.priority:
+                break
+            if hit:
+                up.hit_count += 1
+            if priority > up.priority:
+                up.priority = priority
+            up = up.parent
+
     # -- locks ----------------------------------------------------------------------------------
 
-    def _check_handle(self, node: Any) -> None:
+    @staticmethod
+    def _check_type(node: Any) -> None:
         if not isinstance(node, RadixNode):
             raise TypeError(f"expected a RadixNode from match_prefix, got {type(node).__name__}")
-        top = node
-        while top.parent is not None:
-            top = top.parent
-        if top is not self.root:
-            raise ValueError(f"{node!r} is not cached here (evicted, reset, or from another cache)")
 
-    def _path_to_root(self, node: RadixNode) -> list[RadixNode]:
-        path = []
-        x: RadixNode | None = node
-        while x is not None and x is not self.root:
-            path.append(x)
-            x = x.parent
-        return path
+    def _check_handle(self, node: Any) -> None:
+        """O(1): the node was created in this tree (not before a ``reset``, not in another
+        cache) and is not freed (a freed node has no parent)."""
+        self._check_type(node)
+        if node.owner is not self._tree or (node.parent is None and node is not self.root):
+            raise ValueError(f"{node!r} is not cached here (evicted, reset, or from another cache)")
 
     def inc_lock_ref(self, node: RadixNode) -> int:
         """Lock the prefix ending at ``node`` (one running request more uses it).
 
         Returns the change of ``evictable_size()`` (zero or negative), as SGLang does. Only
-        ``dec_lock_ref(node)`` with this same handle undoes it.
+        ``dec_lock_ref(node)`` with this same handle undoes it. Only ``node`` itself can be an
+        eviction candidate (its ancestors have children), so the policy hears of it alone.
         """
         self._check_handle(node)
-        path = self._path_to_root(node)
-        unlocked = [x for x in path if x.lock_ref == 0]
-        for x in path:
-            x.lock_ref += 1
+        root = self.root
+        if node.lock_ref == 0 and not node.children and node is not root:
+            try:
+                self.policy.discard(node)
+            except Exception as exc:
+                self._resync_policy()
+                raise policy_error(self.policy, "inc_lock_ref", exc) from exc
         node.own_locks += 1
-        try:
-            for x in unlocked:
-                self.policy.discard(x)
-        except Exception as exc:
-            for x in path:
-                x.lock_ref -= 1
-            node.own_locks -= 1
-            self._resync_policy()
-            raise policy_error(self.policy, "inc_lock_ref", exc) from exc
-        moved = sum(x.num_tokens for x in unlocked)
+        moved = 0
+        while node is not root:
+            if node.lock_ref == 0:
+                moved += node.num_tokens
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
         self._evictable -= moved
         self._protected += moved
         return -moved
@@ -505,22 +653,19 @@ class RadixCache(BuiltFromContext):
                 f"{node!r} is not locked by this handle: dec_lock_ref without inc_lock_ref on "
                 "it (an ancestor of a locked node, or the root, cannot be unlocked)"
             )
-        path = self._path_to_root(node)
-        freed = [x for x in path if x.lock_ref == 1]
-        for x in path:
-            x.lock_ref -= 1
-        node.own_locks -= 1
-        try:
-            for x in freed:
-                if not x.children:
-                    self.policy.add(x)
-        except Exception as exc:
-            for x in path:
-                x.lock_ref += 1
-            node.own_locks += 1
-            self._resync_policy()
-            raise policy_error(self.policy, "dec_lock_ref", exc) from exc
-        moved = sum(x.num_tokens for x in freed)
+        root, start, moved = self.root, node, 0
+        if node.lock_ref == 1 and not node.children and node is not root:
+            try:
+                self.policy.add(node)  # before any count changes: nothing else to undo
+            except Exception as exc:
+                self._resync_policy()
+                raise policy_error(self.policy, "dec_lock_ref", exc) from exc
+        start.own_locks -= 1
+        while node is not root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                moved += node.num_tokens
+            node = node.parent  # type: ignore[assignment]
         self._evictable += moved
         self._protected -= moved
         return moved
@@ -528,9 +673,10 @@ class RadixCache(BuiltFromContext):
     # -- eviction -------------------------------------------------------------------------------
 
     def _check_victim(self, leaf: Any) -> RadixNode:
-        """What ``policy.pop()`` returned must be one of this cache's evictable leaves."""
+        """What ``policy.pop()`` returned must be one of this cache's evictable leaves (O(1))."""
         if (
             not isinstance(leaf, RadixNode)
+            or leaf.owner is not self._tree
             or leaf.parent is None
             or leaf.parent.children.get(leaf.edge) is not leaf
             or leaf.lock_ref
@@ -544,7 +690,8 @@ class RadixCache(BuiltFromContext):
 
         When less is evictable, frees all of it and says so in the result. ``swa_num_tokens``
         and ``mamba_num`` do not apply to this cache and are ignored. All or nothing: when the
-        policy or ``allocator.free`` fails, every victim is put back and nothing is freed.
+        policy or ``allocator.free`` fails, every victim is put back and nothing is freed. The
+        victims' slots are freed with one ``allocator.free`` (one range/ownership check).
         """
         if not isinstance(params, EvictParams):
             raise TypeError(f"evict takes EvictParams, got {type(params).__name__}")
@@ -555,7 +702,7 @@ class RadixCache(BuiltFromContext):
         freed = 0
         victims: list[torch.Tensor] = []
         removed: list[tuple[RadixNode, RadixNode]] = []  # unlinked leaves and their parents
-        cut: tuple[RadixNode, tuple[int, ...], torch.Tensor] | None = None
+        cut: tuple[RadixNode, tuple[int, ...], torch.Tensor, torch.Tensor, int] | None = None
         in_free = False
         try:
             while freed < need:
@@ -563,19 +710,20 @@ class RadixCache(BuiltFromContext):
                 if popped is None:
                     break
                 leaf = self._check_victim(popped)
-                assert leaf.value is not None and leaf.parent is not None
                 remaining = -(-(need - freed) // page) * page  # still needed, in whole pages
                 if self._exact and remaining < leaf.num_tokens:
                     keep = leaf.num_tokens - remaining
-                    cut = (leaf, leaf.key, leaf.value)
+                    cut = (leaf, leaf.key, leaf.value, leaf.path_value, leaf.path_hash)
                     victims.append(leaf.value[keep:])
                     leaf.key, leaf.value, leaf.num_tokens = leaf.key[:keep], leaf.value[:keep], keep
+                    leaf.path_value = leaf.path_value[: leaf.depth + keep]
+                    leaf.path_hash = 0  # unknown until a walk ends at it (no path walk here)
                     policy.add(leaf)
                     freed += remaining
                     break
                 victims.append(leaf.value)
                 freed += leaf.num_tokens
-                parent = leaf.parent
+                parent = cast(RadixNode, leaf.parent)
                 del parent.children[leaf.edge]
                 leaf.parent = None
                 removed.append((leaf, parent))
@@ -589,14 +737,15 @@ class RadixCache(BuiltFromContext):
                 leaf.parent = parent
                 parent.children[leaf.edge] = leaf
             if cut is not None:
-                leaf, key, value = cut
+                leaf, key, value, path_value, path_hash = cut
                 leaf.key, leaf.value, leaf.num_tokens = key, value, len(key)
+                leaf.path_value, leaf.path_hash = path_value, path_hash
             self._resync_policy()
             if in_free:
                 raise
             raise policy_error(self.policy, "evict", exc) from exc
         for leaf, _ in removed:
-            leaf.value = None
+            leaf.value = leaf.path_value = _NO_SLOTS
         self._evictable -= freed
         stats = self.stats
         stats.evictions += 1
@@ -608,7 +757,7 @@ class RadixCache(BuiltFromContext):
 
     def all_values_flatten(self) -> torch.Tensor:
         """Every cached slot (int64, on device), in depth-first order: for checks and debugging."""
-        values = [n.value for n in self._nodes() if n.value is not None]
+        values = [n.value for n in self._nodes()]
         return torch.cat(values) if values else self._empty
 
     def reset(self) -> None:

@@ -19,6 +19,7 @@ from pydantic import Field
 from kvplug_hookspecs import ComponentSelection, EvictionPolicy, FrozenModel
 
 from ...errors import ConfigError, KvplugError
+from ..versions import release_tuple
 
 __all__ = [
     "BACKEND_NAME",
@@ -123,18 +124,9 @@ def policy_factory(selection: ComponentSelection) -> Callable[[], EvictionPolicy
     return new_policy
 
 
-def _release(version: str) -> tuple[int, int, int] | None:
-    parts = version.split(".")
-    try:
-        patch = "".join(ch for ch in parts[2] if ch.isdigit()) if len(parts) > 2 else "0"
-        return int(parts[0]), int(parts[1]), int(patch or "x")
-    except (IndexError, ValueError):
-        return None
-
-
 def sglang_version_supported(version: str) -> bool:
     """Whether an SGLang version string is in :data:`SUPPORTED_SGLANG`."""
-    release = _release(version)
+    release = release_tuple(version, 3)
     return release is not None and _MIN <= release < _MAX
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from kvplug_hookspecs import ComponentSelection, EvictionPolicy, FrozenModel
 
 from ...errors import ConfigError, KvplugError
+from ..versions import release_tuple
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
@@ -96,17 +97,9 @@ def policy_factory(selection: ComponentSelection) -> Callable[[], EvictionPolicy
     return new_policy
 
 
-def _release(version: str) -> tuple[int, int] | None:
-    parts = version.split(".")
-    try:
-        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "x")
-    except (IndexError, ValueError):
-        return None
-
-
 def vllm_version_supported(version: str) -> bool:
     """Whether a vLLM version string is in :data:`SUPPORTED_VLLM` (pre-releases included)."""
-    release = _release(version)
+    release = release_tuple(version, 2)
     return release is not None and _MIN <= release < _MAX
 
 

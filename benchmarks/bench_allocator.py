@@ -9,8 +9,10 @@ SGLang's TokenToKVPoolAllocator keeps its free slots): above 1 means kvplug is f
 ``checks`` says which checks run: ``bounds`` the range check of freed indices only (the default
 before ownership tracking), ``owner`` the default (range check + slot ownership: one scatter per
 alloc, one scatter and two gathers per free, in the same single host sync), ``off`` neither (no
-host sync). A second table puts ``bounds`` and ``owner`` medians side by side: the cost of the
-default ownership checks. No pool memory is allocated: allocators manage indices only.
+host sync), ``torch`` (cpu only) the default checks forced onto the torch-op path other devices
+take instead of the NumPy views a CPU device uses. A second table puts ``bounds``, ``owner`` and
+``torch`` medians side by side: the cost of the default ownership checks, and what the NumPy
+path saves on the CPU. No pool memory is allocated: allocators manage indices only.
 """
 
 from __future__ import annotations
@@ -110,26 +112,35 @@ def paged_extend(allocator: PagedAllocator, tokens: int, batch: int = 8) -> Call
     return step
 
 
+def _path(allocator, host: bool):
+    allocator.use_host_path(host)
+    return allocator
+
+
 def run_device(device: torch.device, args: argparse.Namespace) -> list[tuple]:
     """Time every case on one device; rows of (device, allocator, checks, case, n, sec, ref)."""
     batches = [1, 8, 64, 512] if not args.quick else [1, 64, 512]
     extends = [1024, 4096, 16384, 65536] if not args.quick else [1024, 65536]
     rows: list[tuple] = []
-    for checks in ("bounds", "owner", "off"):
+    modes = ("bounds", "owner", "torch", "off") if device.type == "cpu" else ("bounds", "owner")
+    for checks in modes:
         kw = {
             "device": device,
             "check_bounds": checks != "off",
-            "ownership_checks": checks == "owner",
+            "ownership_checks": checks in ("owner", "torch"),
         }
+        host = checks != "torch"
 
-        def std(kw=kw):
-            return StandardAllocator(CAPACITY, **kw)
+        def std(kw=kw, host=host):
+            return _path(StandardAllocator(CAPACITY, **kw), host)
 
-        def paged(kw=kw):
-            return PagedAllocator(CAPACITY, PAGE, **kw)
+        def paged(kw=kw, host=host):
+            return _path(PagedAllocator(CAPACITY, PAGE, **kw), host)
 
-        def swa(page_size=1, kw=kw):
-            return SWAAllocator(CAPACITY, CAPACITY // 2, 4096, page_size=page_size, **kw)
+        def swa(page_size=1, kw=kw, host=host):
+            return _path(
+                SWAAllocator(CAPACITY, CAPACITY // 2, 4096, page_size=page_size, **kw), host
+            )
 
         cases = [  # allocator, case, sizes, step for size n, compare with the torch.cat free list
             ("standard", "decode", batches, lambda n: alloc_free(std(), n), True),
@@ -216,10 +227,11 @@ def main() -> None:
                 f"{1 / sec:>10.0f} {ratio:>6}"
             )
     print()
-    print("ownership checks (default) vs range check only, median us/step:")
+    print("ownership checks (default) vs range check only, median us/step; on the cpu also the")
+    print("default checks on the torch-op path (torch) and its time over the NumPy path (xtorch):")
     header = (
         f"{'device':<7} {'allocator':<9} {'case':<16} {'tokens':>7} "
-        f"{'bounds':>9} {'owner':>9} {'cost':>7}"
+        f"{'bounds':>9} {'owner':>9} {'cost':>7} {'torch':>9} {'xtorch':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -228,9 +240,11 @@ def main() -> None:
         if checks != "owner":
             continue
         before = by_key[(dev, name, case, n, "bounds")]
+        forced = by_key.get((dev, name, case, n, "torch"))
+        extra = f" {forced * 1e6:>9.1f} {forced / sec:>7.2f}" if forced else ""
         print(
             f"{dev:<7} {name:<9} {case:<16} {n:>7} {before * 1e6:>9.1f} {sec * 1e6:>9.1f} "
-            f"{(sec / before - 1) * 100:>6.0f}%"
+            f"{(sec / before - 1) * 100:>6.0f}%{extra}"
         )
 
 

@@ -12,6 +12,11 @@ or a slot given twice in one call is then an error and nothing changes; it costs
 alloc and free and two gathers per free, inside the same sync. Turn both off where a sync would
 stall an overlap scheduler and the engine proves ownership itself. ``debug_checks`` checks every
 call of a free group at once instead of at its end.
+
+On a CPU device the free-id stack, the owner state and these checks run through NumPy views of
+the same tensors (zero-copy): the same memory and results, without torch's per-call dispatch,
+which costs more than the work itself for the few hundred slots of one request (a check is
+about 5x cheaper). Other devices use the torch ops; both paths are tested to agree.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -90,13 +96,30 @@ class FreeIdStack:
     """
 
     def __init__(
-        self, first: int, count: int, device: torch.device, *, track: bool, unit: str
+        self,
+        first: int,
+        count: int,
+        device: torch.device,
+        *,
+        track: bool,
+        unit: str,
+        host: bool = True,
     ) -> None:
         self.first, self.count, self.unit = first, count, unit
         self._ids = torch.empty(count, dtype=torch.int64, device=device)
         self.state = torch.empty(first + count, dtype=torch.int8, device=device) if track else None
+        # zero-copy host views of the same memory on a CPU device (see the module docstring)
+        self._ids_np: np.ndarray | None = None
+        self.state_np: np.ndarray | None = None
+        self.use_host(host)
         self.top = 0
         self.reset()
+
+    def use_host(self, enabled: bool) -> None:
+        """Run ``pop``/``push``/``set_state`` through NumPy views (CPU tensors only)."""
+        host = enabled and self._ids.device.type == "cpu"
+        self._ids_np = self._ids.numpy() if host else None
+        self.state_np = self.state.numpy() if host and self.state is not None else None
 
     def reset(self) -> None:
         """Every id free again, in ascending order (the first ``pop`` returns ``first, ...``)."""
@@ -110,6 +133,12 @@ class FreeIdStack:
 
     def pop(self, n: int) -> torch.Tensor:
         """Take ``n <= len(self)`` ids as a new tensor (callers check the count first)."""
+        if self._ids_np is not None:
+            ids = self._ids_np[self.top : self.top + n].copy()
+            self.top += n
+            if self.state_np is not None:
+                self.state_np[ids] = HELD
+            return torch.from_numpy(ids)
         out = self._ids[self.top : self.top + n].clone()
         self.top += n
         if self.state is not None:
@@ -122,7 +151,7 @@ class FreeIdStack:
         ``pop`` leaves the ids in place below the new top, so moving the top back restores them.
         """
         if self.state is not None and top < self.top:
-            self.state.index_fill_(0, self._ids[top : self.top], FREE)
+            self.set_state(self._ids[top : self.top], FREE)
         self.top = top
 
     def push(self, ids: torch.Tensor) -> None:
@@ -136,6 +165,13 @@ class FreeIdStack:
                 f"freeing {n} {self.unit}(s) but only {self.top} are allocated: "
                 "some are freed twice"
             )
+        if self._ids_np is not None:
+            ids_np = ids.numpy()
+            self._ids_np[self.top - n : self.top] = ids_np
+            if self.state_np is not None:
+                self.state_np[ids_np] = FREE
+            self.top -= n
+            return
         self._ids[self.top - n : self.top] = ids
         self.top -= n
         if self.state is not None:
@@ -143,18 +179,25 @@ class FreeIdStack:
 
     def set_state(self, ids: torch.Tensor, value: int) -> None:
         """Mark ids with an owner state (a no-op when ownership is not tracked)."""
-        if self.state is not None:
+        if self.state_np is not None:
+            self.state_np[ids.numpy()] = value
+        elif self.state is not None:
             self.state.index_fill_(0, ids, value)
 
 
 class BaseAllocator:
     """Free groups, index checks and the shortfall contract of the built-in allocators.
 
+    ``prefer_host_path`` (class-wide, default on) picks the NumPy path on a CPU device; tests
+    turn it off to run the device path on the CPU.
+
     Subclasses set ``_low``/``_high`` (the valid slot range) and implement ``available_size``,
     ``alloc``, ``clear``, ``release`` (free already-checked indices; raise before changing
     anything), the ``alloc_mark`` / ``rollback_alloc`` pair (undo allocations exactly) and
     ``_owner_units`` (where the ownership state of slots lives).
     """
+
+    prefer_host_path: bool = True
 
     def __init__(
         self,
@@ -190,6 +233,13 @@ class BaseAllocator:
         if self.tracks_ownership:
             self._dup_scratch = torch.zeros(size + page_size, dtype=torch.int64, device=self.device)
             self._positions = torch.arange(size + page_size, device=self.device)
+        # the NumPy check path on a CPU device (module docstring); tests switch it off to run
+        # the device path on the CPU
+        self._host = self.prefer_host_path and self.device.type == "cpu"
+        self._dup_scratch_np = self._positions_np = None
+        if self._host and self._dup_scratch is not None and self._positions is not None:
+            self._dup_scratch_np = self._dup_scratch.numpy()
+            self._positions_np = self._positions.numpy()
 
     # -- to implement -------------------------------------------------------------------------
     def available_size(self) -> int:
@@ -209,6 +259,10 @@ class BaseAllocator:
 
     def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
         """The stack that tracks these (in-range) slots' owner, and their ids in it."""
+        raise NotImplementedError
+
+    def _owner_units_np(self, indices: np.ndarray) -> tuple[FreeIdStack, np.ndarray]:
+        """``_owner_units`` on a NumPy view (the CPU path)."""
         raise NotImplementedError
 
     # -- ownership -----------------------------------------------------------------------------
@@ -246,6 +300,11 @@ class BaseAllocator:
         self._set_owner(indices, new)
 
     def _set_owner(self, indices: torch.Tensor, state: int) -> None:
+        if self._host:
+            stack, units_np = self._owner_units_np(indices.numpy())
+            if stack.state_np is not None:
+                stack.state_np[units_np] = state
+                return
         stack, units = self._owner_units(indices)
         stack.set_state(units, state)
 
@@ -309,10 +368,24 @@ class BaseAllocator:
     def _check_indices(self, indices: torch.Tensor, *, values: bool = True) -> torch.Tensor:
         """Check freed indices (metadata, and their range when ``values``); return them as int64."""
         check_index_tensor(indices, self.device)
-        indices = indices.to(torch.int64)
+        if indices.dtype != torch.int64:
+            indices = indices.to(torch.int64)
         if values:
             self._check_values(indices)
         return indices
+
+    def use_host_path(self, enabled: bool) -> None:
+        """Use the NumPy path on a CPU device (the default) or the device's torch ops (tests
+        run both on the CPU to prove they agree)."""
+        self._host = enabled and self.device.type == "cpu"
+        if self._host and self._dup_scratch is not None and self._positions is not None:
+            self._dup_scratch_np = self._dup_scratch.numpy()
+            self._positions_np = self._positions.numpy()
+        for value in vars(self).values():
+            if isinstance(value, FreeIdStack):
+                value.use_host(enabled)
+            elif isinstance(value, BaseAllocator) and value is not self:
+                value.use_host_path(enabled)
 
     def _check_values(self, indices: torch.Tensor, *, require: int | None = None) -> None:
         """Range and ownership checks of slot indices, with one host sync for all of them.
@@ -322,6 +395,9 @@ class BaseAllocator:
         """
         track = self.tracks_ownership
         if indices.numel() == 0 or not (track or self.check_bounds):
+            return
+        if self._host:
+            self._check_values_host(indices, require)
             return
         parts = list(torch.aminmax(indices))
         bad = dup = None
@@ -341,6 +417,38 @@ class BaseAllocator:
             dup = self._dup_scratch.index_select(0, safe) != positions
             parts.append((bad | dup).sum())
         lo, hi, *problems = torch.stack(parts).tolist()
+        self._check_range(indices, lo, hi, require)
+        if not track:
+            return
+        assert bad is not None and dup is not None
+        if problems[0]:
+            first_dup = int(torch.nonzero(dup)[0]) if bool(dup.any()) else None
+            first_bad = int(torch.nonzero(bad)[0]) if bool(bad.any()) else None
+            self._raise_ownership(indices, require, first_dup, first_bad)
+
+    def _check_values_host(self, indices: torch.Tensor, require: int | None) -> None:
+        """``_check_values`` on NumPy views of CPU tensors: the same checks and messages."""
+        idx = indices.numpy()
+        self._check_range(indices, int(idx.min()), int(idx.max()), require)
+        if not self.tracks_ownership:
+            return
+        stack, units = self._owner_units_np(idx)
+        scratch, positions = self._dup_scratch_np, self._positions_np
+        assert stack.state_np is not None and scratch is not None and positions is not None
+        state = stack.state_np[units]
+        bad = state == FREE if require is None else state != require
+        n = idx.size
+        positions = positions[:n] if n <= positions.size else np.arange(n)
+        scratch[idx] = positions
+        dup = scratch[idx] != positions
+        if (bad | dup).any():
+            first_dup = int(dup.argmax()) if dup.any() else None
+            first_bad = int(bad.argmax()) if bad.any() else None
+            self._raise_ownership(indices, require, first_dup, first_bad)
+
+    def _check_range(self, indices: torch.Tensor, lo: int, hi: int, require: int | None) -> None:
+        """Raise when the smallest or largest slot is not a usable one, or (a free at page
+        size 1) when more slots are freed than are allocated at all."""
         for value in (lo, hi):
             if 0 <= value < self._low:
                 raise ValueError(
@@ -358,29 +466,34 @@ class BaseAllocator:
                     f"freeing {indices.numel()} slot(s) but only {held} are allocated: "
                     "some are freed twice"
                 )
-        if not track:
-            return
-        assert bad is not None and dup is not None
-        if not problems[0]:
-            return
+
+    def _raise_ownership(
+        self,
+        indices: torch.Tensor,
+        require: int | None,
+        first_dup: int | None,
+        first_bad: int | None,
+    ) -> None:
+        """Name the first problem: a slot twice in one call, else the first slot in a wrong
+        state."""
         verb = "freed" if require is None else "given"
-        if bool(dup.any()):
-            i = int(torch.nonzero(dup)[0])
+        if first_dup is not None:
+            i = first_dup
             raise ValueError(f"slot {int(indices[i])} is {verb} twice in one call (position {i})")
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            stack, units = self._owner_units(indices[i : i + 1])
-            assert stack.state is not None
-            unit, got = int(units[0]), int(stack.state[units[0]])
-            if require is None:
-                raise ValueError(
-                    f"{stack.unit} {unit} is already free (position {i}): a double free, or "
-                    "never allocated"
-                )
+        assert first_bad is not None
+        i = first_bad
+        stack, units = self._owner_units(indices[i : i + 1])
+        assert stack.state is not None
+        unit, got = int(units[0]), int(stack.state[units[0]])
+        if require is None:
             raise ValueError(
-                f"slot {int(indices[i])} (position {i}) is {_STATE_NAMES[got]}, expected "
-                f"{_STATE_NAMES[require]}: nothing changed"
+                f"{stack.unit} {unit} is already free (position {i}): a double free, or "
+                "never allocated"
             )
+        raise ValueError(
+            f"slot {int(indices[i])} (position {i}) is {_STATE_NAMES[got]}, expected "
+            f"{_STATE_NAMES[require]}: nothing changed"
+        )
 
     # -- eviction contract --------------------------------------------------------------------
     def shortfall(self, num_tokens: int) -> EvictParams | None:

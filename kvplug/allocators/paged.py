@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvplug_hookspecs import PoolGeometry
@@ -54,7 +55,12 @@ class PagedAllocator(BaseAllocator):
         self.num_pages = size // page_size
         self._page_owner = torch.zeros(self.num_pages + 1, dtype=torch.int64, device=self.device)
         self._stack = FreeIdStack(
-            1, self.num_pages, self.device, track=self.tracks_ownership, unit="page"
+            1,
+            self.num_pages,
+            self.device,
+            track=self.tracks_ownership,
+            unit="page",
+            host=self._host,
         )
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
 
@@ -88,7 +94,14 @@ class PagedAllocator(BaseAllocator):
         if num_pages > len(self._stack):
             return None
         pages = self._stack.pop(num_pages)
+        if self._host:
+            return torch.from_numpy(self._slots_np(pages.numpy()))
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+
+    def _slots_np(self, pages: np.ndarray) -> np.ndarray:
+        """Every slot of these pages, in order (the NumPy path of a CPU device)."""
+        slots: np.ndarray = (pages[:, None] * self.page_size + self._offsets.numpy()).reshape(-1)
+        return slots
 
     def alloc_extend(
         self,
@@ -230,6 +243,9 @@ class PagedAllocator(BaseAllocator):
     def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
         return self._stack, indices // self.page_size
 
+    def _owner_units_np(self, indices: np.ndarray) -> tuple[FreeIdStack, np.ndarray]:
+        return self._stack, indices // self.page_size
+
     def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
         """The distinct pages that slots ``indices`` lie in, in O(n) and without a sort.
 
@@ -237,6 +253,12 @@ class PagedAllocator(BaseAllocator):
         one write per page survives, so keeping the positions that read their own number back
         keeps each page once (``torch.unique`` would sort: several times slower for big frees).
         """
+        if self._host:
+            pages_np = indices.numpy() // self.page_size
+            order = np.arange(pages_np.size)
+            owner = self._page_owner.numpy()
+            owner[pages_np] = order
+            return torch.from_numpy(pages_np[owner[pages_np] == order])
         pages = indices // self.page_size
         positions = torch.arange(pages.numel(), device=self.device)
         self._page_owner.scatter_(0, pages, positions)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvplug_hookspecs import PoolGeometry
@@ -45,7 +46,9 @@ class StandardAllocator(BaseAllocator):
             check_bounds=check_bounds,
             ownership_checks=ownership_checks,
         )
-        self._stack = FreeIdStack(1, size, self.device, track=self.tracks_ownership, unit="slot")
+        self._stack = FreeIdStack(
+            1, size, self.device, track=self.tracks_ownership, unit="slot", host=self._host
+        )
 
     @classmethod
     def from_geometry(
@@ -101,6 +104,9 @@ class StandardAllocator(BaseAllocator):
         self._stack.push(indices)
 
     def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
+        return self._stack, indices
+
+    def _owner_units_np(self, indices: np.ndarray) -> tuple[FreeIdStack, np.ndarray]:
         return self._stack, indices
 
     def clear(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import Field, field_validator
 
@@ -279,6 +280,9 @@ class SWAAllocator(BaseAllocator):
 
     def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
         return self.full_allocator._owner_units(indices)
+
+    def _owner_units_np(self, indices: np.ndarray) -> tuple[FreeIdStack, np.ndarray]:
+        return self.full_allocator._owner_units_np(indices)
 
     def _set_owner(self, indices: torch.Tensor, state: int) -> None:
         """Both pools: the full slots and the window slots they still map to."""

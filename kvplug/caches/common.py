@@ -82,6 +82,12 @@ def as_token_ids(token_ids: Any) -> tuple[int, ...]:
         if dtype == torch.uint64 and token_ids.numel() and int(token_ids.max()) >= 2**63:
             raise ValueError("token ids must fit in int64")
         return tuple(token_ids.tolist())
+    last = _last_checked[0]
+    if last is not None and token_ids is last:  # the same tuple again (an insert after its match)
+        return last
+    if isinstance(token_ids, array) and token_ids.typecode in _INT64_CODES:
+        ids_of_array: tuple[int, ...] = tuple(token_ids)  # int64 by construction
+        return ids_of_array
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
         raise TypeError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
     ids = tuple(token_ids)
@@ -98,7 +104,15 @@ def as_token_ids(token_ids: Any) -> tuple[int, ...]:
                     f"token ids must fit in int64: position {pos} is {value}"
                 ) from None
         raise
+    if ids is token_ids:
+        _last_checked[0] = ids  # held here, so its identity cannot be reused while remembered
     return ids
+
+
+# The last tuple of token ids that passed ``as_token_ids``: a tuple and its ints are immutable,
+# so the same object need not be scanned again (an engine matches, then inserts, one key).
+_last_checked: list[tuple[int, ...] | None] = [None]
+_INT64_CODES = frozenset("qlbhiBHI") if array("l").itemsize == 8 else frozenset("qbhiBHI")
 
 
 def check_key(key: Any) -> tuple[tuple[int, ...], str | None]:

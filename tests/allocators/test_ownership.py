@@ -204,3 +204,16 @@ def test_move_swa_checks_before_it_moves():
     a.move_swa(src, dst)
     assert a.translate_loc_from_full_to_swa(dst).tolist() == window
     assert a.translate_loc_from_full_to_swa(src).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("kind", ["standard", "paged", "swa"])
+def test_each_check_path_is_the_one_in_use(kind: str, check_path: str) -> None:
+    """The conftest's two runs really take the two paths (NumPy views only on the host path)."""
+    a = make(kind)
+    inner = a.full_allocator if kind == "swa" else a
+    assert a._host is (check_path == "host")
+    assert (inner._stack.state_np is not None) is (check_path == "host")
+    held = a.alloc(8)
+    a.free(held[:4])
+    with pytest.raises(ValueError, match="already free"):
+        a.free(held[:1])

@@ -192,3 +192,27 @@ def test_policies_that_want_every_touch_get_every_node_of_the_path():
     assert cache.policy.touched == [2, 2]  # the inner head and the leaf
     builtin, _ = make_radix(capacity=64)
     assert builtin._touch_all is False and cache._touch_all is True
+
+
+def test_key_validation_memo_and_int64_arrays() -> None:
+    """The one-entry memo skips re-scanning the same tuple (match, then insert) and never lets
+    a bad key through; int64 arrays are taken without a scan, unsigned 64-bit ones are checked."""
+    from array import array
+
+    from kvplug.caches import common
+
+    key = (5, 6, 7)
+    assert common.as_token_ids(key) is key
+    assert common._last_checked[0] is key
+    assert common.as_token_ids(key) is key  # the memo: same object back
+    bad = (5, "x", 7)
+    for _ in range(2):  # rejected every time: a failing key is never remembered
+        with pytest.raises(TypeError, match="position 1"):
+            common.as_token_ids(bad)
+    assert common._last_checked[0] is key
+    assert common.as_token_ids([1, 2]) == (1, 2)  # a list is never remembered (mutable)
+    assert common._last_checked[0] is key
+    assert common.as_token_ids(array("q", [3, -4])) == (3, -4)
+    assert common.as_token_ids(array("I", [3, 4])) == (3, 4)
+    with pytest.raises(ValueError, match="fit in int64: position 1"):
+        common.as_token_ids(array("Q", [1, 2**63]))

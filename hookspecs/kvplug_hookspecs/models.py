@@ -158,16 +158,29 @@ class KVCacheConfig(FrozenModel):
 
 
 class PrefixStored(FrozenModel):
-    """A prefix (or its new tail) became cached: ``num_tokens`` newly cached tokens."""
+    """A prefix (or its new tail) became cached: ``num_tokens`` newly cached tokens.
+
+    ``block_hashes``: one chained, position-aware hash per new page (``radix`` and
+    ``block_hash``; see ``kvplug.caches.block_hashing``), root side first.
+    ``parent_block_hash``: the hash of the cached page the first new page follows (``None`` at
+    the start of a prefix). ``token_ids``: the new pages' tokens (``num_tokens`` of them), so a
+    consumer (a cache-aware router) can rebuild the chain, as with vLLM's and SGLang's
+    ``BlockStored``.
+    """
 
     cache: str
     num_tokens: NonNegativeInt
     block_hashes: tuple[int, ...] = ()
     extra_key: str | None = None
+    parent_block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class PrefixRemoved(FrozenModel):
-    """Cached tokens were removed, because of eviction or of a window-side (SWA) eviction."""
+    """Cached tokens were removed, because of eviction or of a window-side (SWA) eviction.
+
+    ``block_hashes``: the removed pages' hashes (the ones their ``PrefixStored`` carried).
+    """
 
     cache: str
     num_tokens: NonNegativeInt

@@ -25,10 +25,8 @@ The evictable blocks are the configured policy's candidate set, maintained incre
 from __future__ import annotations
 
 import contextlib
-import hashlib
-from array import array
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -44,6 +42,7 @@ from kvplug_hookspecs import (
     TokenAllocator,
 )
 
+from . import block_hashing
 from .common import (
     BuiltFromContext,
     CacheStats,
@@ -153,11 +152,7 @@ class BlockHashCache(BuiltFromContext):
         self.device = torch.device(allocator.device)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.stats = CacheStats()
-        self._hash: Callable[[bytes], Any]
-        if self.options.hash_algorithm == "sha256":
-            self._hash = hashlib.sha256
-        else:
-            self._hash = lambda data: hashlib.blake2b(data, digest_size=16)
+        self._hash = block_hashing.hasher_for(self.options.hash_algorithm)
         self._clock = 0
         self._init_state()
 
@@ -171,30 +166,21 @@ class BlockHashCache(BuiltFromContext):
     # ----------------------------------------------------------------------------- hashing
     def _seed(self, extra_key: str | None) -> bytes:
         """The chain's starting digest for a namespace: every block hash covers it."""
-        tag = b"kvplug-none" if extra_key is None else b"kvplug-ns:" + extra_key.encode()
-        digest: bytes = self._hash(tag).digest()
-        return digest
+        return block_hashing.seed(self._hash, extra_key)
 
     def _block_digests(
         self, ids: tuple[int, ...], extra_key: str | None, num_blocks: int
     ) -> Iterator[bytes]:
-        """Yield the chain digest of each of the first ``num_blocks`` blocks (lazily).
-
-        Token ids are packed as int64 in C (``array``), then each block hashes its parent's
-        digest followed by its own bytes.
-        """
-        size = 8 * self.page_size
-        data = array("q", ids[: num_blocks * self.page_size]).tobytes()
-        digest = self._seed(extra_key)
-        hasher = self._hash
-        for i in range(num_blocks):
-            digest = hasher(digest + data[i * size : (i + 1) * size]).digest()
-            yield digest
+        """Yield the chain digest of each of the first ``num_blocks`` blocks (lazily), as
+        :mod:`kvplug.caches.block_hashing` defines it."""
+        return block_hashing.iter_chain(
+            self._hash, self._seed(extra_key), ids, self.page_size, num_blocks
+        )
 
     @staticmethod
     def _as_int(digest: bytes) -> int:
         """The event-facing hash of a block (the first 8 bytes of its digest)."""
-        return int.from_bytes(digest[:8], "big")
+        return block_hashing.event_hash(digest)
 
     # ----------------------------------------------------------------------------- failures
     def _saved_stats(self, blocks: list[Block]) -> list[tuple[int, int, int]]:
@@ -381,12 +367,15 @@ class BlockHashCache(BuiltFromContext):
         self._evictable_tokens += new_tokens
         self.stats.inserted_tokens += new_tokens
         if self.events is not None:
+            first_parent = new_blocks[0].parent
             emit_stored(
                 self.events,
                 self.name,
                 new_tokens,
                 tuple(b.block_hash for b in new_blocks),
                 extra_key,
+                None if first_parent is self.root else cast(Block, first_parent).block_hash,
+                ids[cached_len:aligned_len],
             )
         return cached_len
 

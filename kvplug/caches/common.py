@@ -214,12 +214,19 @@ def emit_stored(
     num_tokens: int,
     block_hashes: tuple[int, ...] = (),
     extra_key: str | None = None,
+    parent_block_hash: int | None = None,
+    token_ids: tuple[int, ...] = (),
 ) -> None:
     """Report stored tokens when someone observes (``events`` is ``None`` otherwise)."""
     if events is not None and num_tokens:
         events.prefix_stored(
             PrefixStored(
-                cache=cache, num_tokens=num_tokens, block_hashes=block_hashes, extra_key=extra_key
+                cache=cache,
+                num_tokens=num_tokens,
+                block_hashes=block_hashes,
+                extra_key=extra_key,
+                parent_block_hash=parent_block_hash,
+                token_ids=token_ids,
             )
         )
 

@@ -67,13 +67,12 @@ from .common import (
     check_indices,
     check_int,
     check_key,
-    emit_removed,
-    emit_stored,
     new_policy_instance,
     policy_error,
     release_ownership,
     take_ownership,
 )
+from .radix_events import RadixBlockHashes
 from .radix_tree import common_len
 
 __all__ = ["RadixCache", "RadixCacheOptions", "RadixNode"]
@@ -201,6 +200,9 @@ class RadixCache(BuiltFromContext):
         self.root = RadixNode(self._clock, priority=0, owner=self._tree)
         self.root.value = self.root.path_value = self._empty
         self.root.lock_ref = 1  # never evicted, never in the policy
+        self._hashes = None  # page hashes for the KV events, only when someone observes them
+        if self.events is not None:
+            self._hashes = RadixBlockHashes(self.events, self.name, self.root, self.page_size)
         self._evictable = 0
         self._protected = 0
 
@@ -248,6 +250,8 @@ class RadixCache(BuiltFromContext):
         child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
         child.parent = head
         head.children[child.edge] = child
+        if self._hashes is not None:  # no event: a split changes no cached content
+            self._hashes.split(head, child)
         if child in self.policy:  # its size changed: let size-aware policies re-rank it
             self.policy.discard(child)
             self.policy.add(child)
@@ -557,7 +561,8 @@ class RadixCache(BuiltFromContext):
         if leaf is not None:
             self._evictable += leaf.num_tokens
             self.stats.inserted_tokens += leaf.num_tokens
-            emit_stored(self.events, self.name, leaf.num_tokens, extra_key=extra_key)
+            if self._hashes is not None:
+                self._hashes.stored(leaf)
         return pos
 
     def _path_stats(self, node: RadixNode) -> list[tuple[RadixNode, tuple[int, int, int]]]:
@@ -750,7 +755,11 @@ class RadixCache(BuiltFromContext):
         stats = self.stats
         stats.evictions += 1
         stats.evicted_tokens += freed
-        emit_removed(self.events, self.name, freed)
+        if self._hashes is not None and freed:
+            cut_leaf, cut_pages = None, 0
+            if cut is not None:
+                cut_leaf, cut_pages = cut[0], (len(cut[1]) - cut[0].num_tokens) // page
+            self._hashes.removed([leaf for leaf, _ in removed], cut_leaf, cut_pages, freed)
         return EvictResult(num_tokens=freed)
 
     # -- whole-cache operations -----------------------------------------------------------------

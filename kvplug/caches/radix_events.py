@@ -1,0 +1,106 @@
+"""KV events of the ``radix`` cache, with per-page chained block hashes.
+
+A :class:`RadixBlockHashes` exists only while someone observes the cache's events (the cache
+holds ``None`` otherwise and calls nothing here): with no observer, no page is ever hashed.
+
+It keeps, for every node of the tree, the digests of the node's pages (its ``key`` cut into
+``page_size`` tokens; a node always holds whole pages), chained from its parent's last page as
+:mod:`kvplug.caches.block_hashing` defines it, the hashes ``block_hash`` computes for the same
+pages. The events carry :func:`~kvplug.caches.block_hashing.event_hash` of those digests:
+
+* ``insert`` that creates a leaf: one ``PrefixStored`` with the leaf's page hashes, the hash
+  of the page before it (``parent_block_hash``, ``None`` under the root) and its tokens;
+* a split: nothing (no cached content changes); the digests are divided between head and tail;
+* ``evict``: one ``PrefixRemoved`` with the hashes of every freed page, leaf by leaf in
+  eviction order; a leaf cut by an exact eviction reports only its freed tail pages;
+* ``reset``: ``CacheCleared`` (the cache emits it; a fresh instance starts with the new tree).
+
+A page is never partial: ``radix`` caches whole pages only (the unaligned tail of a key stays
+the caller's), as SGLang's radix cache does, so every hash covers ``page_size`` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvplug_hookspecs import CacheEvents, PrefixRemoved, PrefixStored
+
+from .block_hashing import event_hash, hasher_for, iter_chain, seed
+
+if TYPE_CHECKING:
+    from .radix import RadixNode
+
+__all__ = ["RadixBlockHashes"]
+
+
+class RadixBlockHashes:
+    """The page digests of one radix tree's nodes, and the events that carry them."""
+
+    __slots__ = ("_cache", "_digests", "_events", "_hasher", "_page", "_root")
+
+    def __init__(self, events: CacheEvents, cache: str, root: RadixNode, page_size: int) -> None:
+        self._events = events
+        self._cache = cache
+        self._root = root
+        self._page = page_size
+        self._hasher = hasher_for("sha256")
+        self._digests: dict[RadixNode, list[bytes]] = {}
+
+    def digests(self, node: RadixNode) -> list[bytes]:
+        """The digests of ``node``'s pages (computed, and those of uncached ancestors, once)."""
+        known = self._digests
+        missing = []
+        up: RadixNode | None = node
+        while up is not None and up is not self._root and up not in known:
+            missing.append(up)
+            up = up.parent
+        if up is None:
+            raise ValueError(f"{node!r} is not in the tree these hashes describe")
+        parent = seed(self._hasher, node.namespace) if up is self._root else known[up][-1]
+        for n in reversed(missing):
+            pages = n.num_tokens // self._page
+            known[n] = list(iter_chain(self._hasher, parent, n.key, self._page, pages))
+            parent = known[n][-1]
+        return known[node]
+
+    def split(self, head: RadixNode, tail: RadixNode) -> None:
+        """``tail`` lost its first ``head.num_tokens`` tokens to the new node ``head``."""
+        digests = self._digests.pop(tail, None)
+        if digests is not None:
+            pages = head.num_tokens // self._page
+            self._digests[head], self._digests[tail] = digests[:pages], digests[pages:]
+
+    def stored(self, leaf: RadixNode) -> None:
+        """Report the new leaf ``leaf`` (just linked under its parent)."""
+        parent = leaf.parent
+        parent_hash = None
+        if parent is not None and parent is not self._root:
+            parent_hash = event_hash(self.digests(parent)[-1])
+        self._events.prefix_stored(
+            PrefixStored(
+                cache=self._cache,
+                num_tokens=leaf.num_tokens,
+                block_hashes=tuple(map(event_hash, self.digests(leaf))),
+                extra_key=leaf.namespace,
+                parent_block_hash=parent_hash,
+                token_ids=leaf.key,
+            )
+        )
+
+    def removed(
+        self, leaves: list[RadixNode], cut: RadixNode | None, cut_pages: int, num_tokens: int
+    ) -> None:
+        """Report an eviction: ``leaves`` were unlinked (in that order), then ``cut`` (when not
+        ``None``) lost its last ``cut_pages`` pages. Forgets what is no longer cached."""
+        known = self._digests
+        hashes: list[int] = []
+        for leaf in leaves:
+            hashes.extend(map(event_hash, known.pop(leaf)))
+        if cut is not None:
+            digests = known[cut]
+            keep = len(digests) - cut_pages
+            hashes.extend(map(event_hash, digests[keep:]))
+            known[cut] = digests[:keep]
+        self._events.prefix_removed(
+            PrefixRemoved(cache=self._cache, num_tokens=num_tokens, block_hashes=tuple(hashes))
+        )

@@ -1,15 +1,12 @@
 """radix KV events: per-page, position-aware, chained block hashes (kvplug.caches.block_hashing).
 
-Expected hashes are computed here from the documented rule, independently of kvplug's code:
-page digest = SHA-256(previous page's digest + the page's tokens as little-endian int64), the
-first page chained from SHA-256(b"kvplug-none") (or b"kvplug-ns:" + namespace); an event hash
-is the digest's first 8 bytes, big-endian.
+Expected hashes are computed from the documented rule, independently of kvplug's code
+(tests/hash_rule.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import struct
 
 import pytest
 import torch
@@ -25,26 +22,7 @@ from tests.cache_helpers import (
     new_policy_factory,
     put,
 )
-
-
-def seed(namespace: str | None = None) -> bytes:
-    tag = b"kvplug-none" if namespace is None else b"kvplug-ns:" + namespace.encode()
-    return hashlib.sha256(tag).digest()
-
-
-def chain(tokens: list[int], page: int, parent: bytes | None = None) -> list[bytes]:
-    """Digests of each whole page of ``tokens`` chained from ``parent`` (the seed by default)."""
-    digest = seed() if parent is None else parent
-    out = []
-    for start in range(0, len(tokens) - len(tokens) % page, page):
-        chunk = tokens[start : start + page]
-        digest = hashlib.sha256(digest + struct.pack(f"<{page}q", *chunk)).digest()
-        out.append(digest)
-    return out
-
-
-def ev(digests: list[bytes]) -> tuple[int, ...]:
-    return tuple(int.from_bytes(d[:8], "big") for d in digests)
+from tests.hash_rule import chain, ev, seed
 
 
 def stored(events: RecordingEvents) -> list[tuple]:

@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 
-from kvplug_hookspecs import CacheKey, ComponentSelection, PrefixCacheContext
+from kvplug_hookspecs import CacheCleared, CacheKey, ComponentSelection, PrefixCacheContext
 from kvplug_hookspecs import EvictParams as KvplugEvictParams
 
 from .config import (
@@ -45,6 +45,7 @@ from .config import (
     policy_factory,
     policy_selection,
 )
+from .events import NAMESPACE_SEPARATOR, SGLangKVEvents
 
 __all__ = ["KvplugPrefixCache", "SGLangAllocatorView", "check_supported"]
 
@@ -107,8 +108,11 @@ def check_supported(ctx: Any) -> None:
         refused.append("--disable-radix-cache (kvplug is a prefix cache; drop one of the flags)")
     if params.is_eagle:
         refused.append("EAGLE speculative decoding (bigram keys)")
-    if params.enable_kv_cache_events:
-        refused.append("--kv-events-config (KV cache events)")
+    if params.enable_kv_cache_events and getattr(params, "dynamo_kv_event_format", False):
+        refused.append(
+            'the "dynamo" KV-event format (its block hashes are SGLang\'s namespaced hash '
+            "scheme; kvplug publishes its own chained page hashes: use the default format)"
+        )
     if params.enable_session_radix_cache:
         refused.append("--enable-session-radix-cache")
     if params.pp_size > 1 or params.attn_cp_size > 1:
@@ -149,6 +153,17 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         cache_selection = ComponentSelection(name=config.prefix_cache, options=config.cache_options)
         self._cache_kind = registry.resolve("prefix_cache", cache_selection)
         self._events = registry.cache_events()
+        self._kv_events: SGLangKVEvents | None = None
+        if params.enable_kv_cache_events:  # --kv-events-config: SGLang's recorder, our events
+            from sglang.srt.mem_cache.events import KVCacheEventRecorder
+
+            self.kv_events = KVCacheEventRecorder(enabled=True, page_size=self.page_size)
+            self._kv_events = SGLangKVEvents(
+                self.kv_events,
+                self.page_size,
+                forward=self._events,
+                lora_names=getattr(params, "kv_event_lora_names", None),
+            )
         if params.enable_metrics:
             self.init_metrics_collector()
         self.cache: Any = None
@@ -182,12 +197,20 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
 
     def reset(self) -> None:
         """Start an empty kvplug cache. SGLang clears its allocator right after (flush), so the
-        cached slots are dropped, not freed, as SGLang's own tree does."""
+        cached slots are dropped, not freed, as SGLang's own tree does. With KV events on,
+        queues ``AllBlocksCleared`` (at construction too, as SGLang's tree does)."""
+        sink = self._kv_events
+        if sink is not None:
+            old = self.cache
+            if old is None:  # construction: nothing was cached
+                sink.cache_cleared(None)
+            else:
+                sink.cache_cleared(CacheCleared(cache=old.name, num_tokens=old.total_size()))
         context = PrefixCacheContext(
             allocator=self.allocator_view,
             new_policy=self._new_policy,
             page_size=self.page_size,
-            events=self._events,
+            events=self._events if sink is None else sink,
         )
         self.cache = self._cache_kind.registration.factory(context, self._cache_kind.options)
         self.root_node = self.cache.root
@@ -210,7 +233,7 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         aligned = len(ids) - len(ids) % self.page_size
         namespace = key.extra_key
         if key.cache_salt:
-            namespace = f"{namespace}\x1f{key.cache_salt}"
+            namespace = f"{namespace}{NAMESPACE_SEPARATOR}{key.cache_salt}"
         return CacheKey(tuple(ids[:aligned]), namespace)
 
     # -- match ----------------------------------------------------------------------------------

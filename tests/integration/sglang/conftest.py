@@ -162,6 +162,7 @@ class Engine:
         backend: str | None = "kvplug",
         chunk: int | None = None,
         new_token_ratio: float = 0.5,
+        kv_events: bool = False,
     ) -> None:
         from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.mem_cache.registry import create_tree_cache
@@ -173,7 +174,7 @@ class Engine:
         if policy_config:
             flags += ["--radix-eviction-policy-config", policy_config]
         self.server_args = parse_server_args(*flags)
-        ctx = build_context(self.server_args, capacity)
+        ctx = build_context(self.server_args, capacity, enable_kv_cache_events=kv_events)
         self.page_size = page_size
         self.capacity = capacity
         self.chunk = chunk

@@ -38,7 +38,7 @@ def _create(overrides: dict, *flags: str) -> object:
         ({"enable_hierarchical_cache": True}, "HiCache"),
         ({"disable_radix_cache": True}, "--disable-radix-cache"),
         ({"is_eagle": True}, "EAGLE"),
-        ({"enable_kv_cache_events": True}, "KV cache events"),
+        ({"enable_kv_cache_events": True, "dynamo_kv_event_format": True}, '"dynamo" KV-event'),
         ({"enable_session_radix_cache": True}, "session"),
         ({"pp_size": 2}, "pipeline"),
     ],

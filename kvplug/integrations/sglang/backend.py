@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 from kvplug_hookspecs import CacheCleared, CacheKey, ComponentSelection, PrefixCacheContext
 from kvplug_hookspecs import EvictParams as KvplugEvictParams
+from kvplug_hookspecs import MatchResult as KvplugMatchResult
 
 from .config import (
     BACKEND_NAME,
@@ -153,6 +154,9 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         cache_selection = ComponentSelection(name=config.prefix_cache, options=config.cache_options)
         self._cache_kind = registry.resolve("prefix_cache", cache_selection)
         self._events = registry.cache_events()
+        # insert(prev=...) continues from the request's last node (radix only)
+        self._resumable = config.prefix_cache == "radix"
+        self._empty = torch.empty(0, dtype=torch.int64)
         self._kv_events: SGLangKVEvents | None = None
         if params.enable_kv_cache_events:  # --kv-events-config: SGLang's recorder, our events
             from sglang.srt.mem_cache.events import KVCacheEventRecorder
@@ -272,7 +276,15 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         aligned = len(key.token_ids)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         values = row[:aligned].to(dtype=torch.int64, copy=True)
-        self.cache.insert(key, values, priority=req.priority or 0, hits_after=kv.cache_inserted_len)
+        priority, hits_after = req.priority or 0, kv.cache_inserted_len
+        if self._resumable and req.last_node is not None:
+            # SGLang's previous match or checkpoint of this request (its lock keeps the node
+            # cached): the radix insert continues from it after an O(1) check, or walks from
+            # the root when it no longer describes this key; the result is the same
+            prev = KvplugMatchResult(self._empty, req.last_node, kv.cache_protected_len)
+            self.cache.insert(key, values, priority=priority, hits_after=hits_after, prev=prev)
+        else:
+            self.cache.insert(key, values, priority=priority, hits_after=hits_after)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         node = self.cache.match_prefix(key, record_hit=False, gather=False).last_node
         cached = self.cache.path_indices(node)

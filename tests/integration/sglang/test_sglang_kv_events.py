@@ -1,5 +1,6 @@
 """KV events (``--kv-events-config``) from the kvplug backend, through SGLang's own recorder,
-``take_events()`` and event classes, compared with what SGLang's own trees publish."""
+``take_events()`` and event classes, compared with what SGLang's own trees publish; and the
+radix insert continuing from the request's previous node (``prev=``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.registry")
 
+from kvplug.caches.radix import RadixCache
 from tests.hash_rule import chain, ev_signed
 
 from .conftest import Engine
@@ -161,3 +163,44 @@ def test_same_events_as_sglang_own_tree(
     assert len(kvplug[0]) == len(sglang[0]) >= 8  # one per request at least (chunks merge)
     assert kvplug == sglang
     assert kvplug[2] == 2  # construction and flush
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_insert_continuing_from_the_previous_node_gives_the_same_results(
+    page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``checkpoint`` passes the request's previous node to the radix insert (``prev=``):
+    every cached slot, statistic, hit count, output and event is the same as without it, and
+    the insert really continued from that node."""
+    resumed: list[bool] = []
+    original = RadixCache._resume_point
+
+    def spy(self: RadixCache, *args: Any) -> Any:
+        node = original(self, *args)
+        resumed.append(node is not None)
+        return node
+
+    monkeypatch.setattr(RadixCache, "_resume_point", spy)
+    runs = []
+    for use_prev in (True, False):
+        resumed.clear()
+        engine = Engine(page_size=page_size, capacity=512, chunk=32, kv_events=True)
+        engine.tree._resumable = use_prev
+        workload(engine)
+        engine.run()
+        tree = engine.tree
+        hits = sorted((n.depth, n.num_tokens, n.hit_count) for n in tree.cache._nodes())
+        runs.append(
+            (
+                tree.all_values_flatten().tolist(),
+                tree.kvplug_stats(),
+                hits,
+                [(r.rid, list(r.output_ids)) for r in engine.finished],
+                [repr(e) for e in tree.take_events()],
+            )
+        )
+        if use_prev:
+            assert resumed and all(resumed)  # every checkpoint continued from its node
+        else:
+            assert resumed == []
+    assert runs[0] == runs[1]

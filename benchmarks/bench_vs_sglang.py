@@ -23,8 +23,9 @@ Repetitions interleave the three (the order rotates), each on a fresh cache. Rep
 median requests/s of each, the median and spread (min-max) of the per-repetition ratio
 kvplug / other, and each cache's hit tokens (summed matched prefix lengths).
 
-SGLang imports a few GPU-only modules at load time; they are stubbed here (only those that
-are not installed).
+SGLang imports a few GPU-only modules at load time; they are stubbed (only those that are not
+installed) by the SGLang test bootstrap, ``tests/integration/sglang/conftest.py``, the one copy
+of that stub.
 """
 
 from __future__ import annotations
@@ -32,84 +33,31 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import inspect
 import random
 import statistics
 import sys
 import time
-import types
 from array import array
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def install_stubs() -> None:
+    """Stub SGLang's GPU-only imports: importing the SGLang test bootstrap does it."""
+    import tests.integration.sglang.conftest  # noqa: F401
+
 
 SYSTEM_PROMPTS = 8
 SYSTEM_TOKENS = 512
 POOL_TOKENS = 16_384
 VOCAB = 32_000
 clock = time.process_time  # CPU time: the machine may be shared; no cache here sleeps
-
-_GPU_ONLY = ("sgl_kernel", "tvm_ffi", "torchvision", "sentencepiece", "compressed_tensors", "gguf")
-
-
-class _Anything:
-    """Stands in for any attribute of a stubbed module (SGLang never calls it on CPU here)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and callable(args[0]) and not kwargs:  # used as a decorator
-            return args[0]
-        return _Anything(self._name + "()")
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Anything(f"{self._name}.{name}")
-
-    def __mro_entries__(self, bases: tuple[Any, ...]) -> tuple[type, ...]:
-        return (object,)
-
-
-class _Stub(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return _Anything(f"{self.__name__}.{name}")
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname.split(".")[0] in self.names:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: Any) -> types.ModuleType:
-        module = _Stub(spec.name)
-        module.__path__ = []
-        module.__version__ = "0.0"
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def install_stubs() -> None:
-    """Stub the GPU-only modules SGLang imports at load time, only those not installed."""
-    missing = tuple(m for m in _GPU_ONLY if importlib.util.find_spec(m) is None)
-    if missing:
-        sys.meta_path.insert(0, _StubFinder(missing))
-
-
-# -- workload ---------------------------------------------------------------------------------
 
 
 def workload(num_requests: int, seed: int) -> list[list[int]]:
@@ -302,7 +250,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.requests, args.repeat = 1000, 3
-    install_stubs()
+    install_stubs()  # SGLang imports GPU-only modules at load time: stubbed on the CPU
     import logging
 
     logging.disable(logging.WARNING)

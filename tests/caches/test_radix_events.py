@@ -160,3 +160,57 @@ def test_no_observer_no_hashing(monkeypatch: pytest.MonkeyPatch):
     cache.evict(EvictParams(num_tokens=4))
     cache.reset()
     assert cache._hashes is None
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_random_operations_keep_every_node_hash_and_the_published_set_exact(page_size: int):
+    """After seeded random inserts, probes (splits), locks and evictions, every node's page
+    hashes equal the rule applied to its path from the root, and the hashes stored minus those
+    removed are exactly the cached pages' hashes."""
+    import random
+
+    rng = random.Random(page_size)
+    events = RecordingEvents()
+    cache, allocator = make_radix(capacity=256, page_size=page_size, events=events)
+    p = page_size
+    locked: list = []
+    for _ in range(150):
+        op = rng.random()
+        key = [rng.randrange(3) for _ in range(p * rng.randrange(1, 7))]
+        if op < 0.45:
+            if allocator.available_size() < len(key):
+                cache.evict(EvictParams(num_tokens=len(key)))
+            if allocator.available_size() >= len(key):
+                m = cache.match_prefix(key)
+                slots = torch.cat([m.device_indices, allocator.alloc(len(key) - m.prefix_len)])
+                cache.insert(key, slots, prev=m if rng.random() < 0.5 else None)
+        elif op < 0.65:
+            cache.match_prefix(key, record_hit=rng.random() < 0.5)
+        elif op < 0.8:
+            node = cache.match_prefix(key).last_node
+            cache.inc_lock_ref(node)
+            locked.append(node)
+        elif op < 0.9 and locked:
+            cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            cache.evict(EvictParams(num_tokens=p * rng.randrange(1, 5)))
+    assert events.removed and len(events.stored) > 5
+
+    live: dict[int, int] = {}
+    for e in events.stored:
+        for h in e.block_hashes:
+            live[h] = live.get(h, 0) + 1
+    for e in events.removed:
+        for h in e.block_hashes:
+            live[h] -= 1
+    cached = []
+    for node in cache._nodes():
+        path, up = [], node
+        while up is not cache.root:
+            path[:0] = up.key
+            up = up.parent
+        expected = chain(path, p)[-(node.num_tokens // p) :]
+        assert cache._hashes.digests(node) == expected
+        cached.extend(ev(expected))
+    assert sorted(cached) == sorted(h for h, n in live.items() for _ in range(n))
+    assert all(n in (0, 1) for n in live.values())

@@ -202,14 +202,16 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
     def reset(self) -> None:
         """Start an empty kvplug cache. SGLang clears its allocator right after (flush), so the
         cached slots are dropped, not freed, as SGLang's own tree does. With KV events on,
-        queues ``AllBlocksCleared`` (at construction too, as SGLang's tree does)."""
-        sink = self._kv_events
+        queues ``AllBlocksCleared`` (at construction too, as SGLang's tree does); kvplug
+        observers get ``CacheCleared`` on a flush."""
+        sink, old = self._kv_events, self.cache
+        cleared = None
+        if old is not None:
+            cleared = CacheCleared(cache=old.name, num_tokens=old.total_size())
         if sink is not None:
-            old = self.cache
-            if old is None:  # construction: nothing was cached
-                sink.cache_cleared(None)
-            else:
-                sink.cache_cleared(CacheCleared(cache=old.name, num_tokens=old.total_size()))
+            sink.cache_cleared(cleared)
+        elif self._events is not None and cleared is not None:
+            self._events.cache_cleared(cleared)
         context = PrefixCacheContext(
             allocator=self.allocator_view,
             new_policy=self._new_policy,

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("sglang.srt.mem_cache.registry")
 
 from kvplug.caches.radix import RadixCache
-from tests.hash_rule import chain, ev_signed
+from tests.hash_rule import chain, ev, ev_signed
 
 from .conftest import Engine
 from .test_sglang_backend import workload
@@ -204,3 +204,27 @@ def test_insert_continuing_from_the_previous_node_gives_the_same_results(
         else:
             assert resumed == []
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("kv_events", [False, True])
+def test_kvplug_observers_see_the_backend_events(
+    kv_events: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvplug observer plugins get the backend cache's events, hashes included, and a flush,
+    with or without SGLang's KV events."""
+    from kvplug.registry import PluginRegistry
+    from kvplug_hookspecs import CacheCleared
+    from tests.cache_helpers import RecordingEvents
+
+    observed = RecordingEvents()
+    monkeypatch.setattr(PluginRegistry, "cache_events", lambda self: observed)
+    engine = Engine(page_size=4, capacity=128, kv_events=kv_events)
+    tokens = list(range(1, 11))
+    engine.add("a", tokens, max_new_tokens=1)
+    engine.run()
+    [stored] = observed.stored
+    assert stored.block_hashes == ev(chain(tokens, 4))
+    assert stored.token_ids == tuple(tokens[:8])
+    engine.flush()
+    assert observed.cleared == [CacheCleared(cache="radix", num_tokens=8)]
+    assert len(engine.tree.take_events()) == (3 if kv_events else 0)

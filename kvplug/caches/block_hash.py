@@ -336,10 +336,13 @@ class BlockHashCache(BuiltFromContext):
                 new_slots = indices[cached_len:aligned_len].clone().view(-1, page)
                 if parent is not self.root and parent.num_children == 0 and parent.ref_count == 0:
                     policy.discard(parent)
+                added = len(new_digests) * page
                 for i, digest in enumerate(new_digests):
-                    block = Block(
-                        now, self._as_int(digest), digest, parent, new_slots[i], page, priority
-                    )
+                    block_hash = self._as_int(digest)
+                    block = Block(now, block_hash, digest, parent, new_slots[i], page, priority)
+                    # features: where it starts, its namespace, its content (the chain hash)
+                    block.depth, block.namespace = (num_cached + i) * page, extra_key
+                    block.content_id, block.new_tokens = block_hash or 1, added
                     if hits_after is not None and (num_cached + i + 1) * page > hits_after:
                         block.hit_count = 1
                     blocks[digest] = block

@@ -45,8 +45,19 @@ __all__ = [
     "policy_error",
     "release_ownership",
     "same_device",
+    "start_content_id",
     "take_ownership",
 ]
+
+
+def start_content_id(namespace: str | None, depth: int, key: Sequence[int]) -> int:
+    """A tree node's ``content_id``: where its content starts (namespace, depth, first tokens).
+
+    The same identity the radix cache gives its nodes: content evicted and cached again usually
+    comes back longer (a conversation's next turn), so an identity of the start, not the end,
+    lets a policy's ghost of it match. Never 0 (0 means "unknown").
+    """
+    return hash((namespace, depth, tuple(key[:64]))) or 1
 
 
 def as_cache_key(key: CacheKey | Sequence[int] | torch.Tensor) -> CacheKey:

@@ -76,6 +76,7 @@ from .common import (
     new_policy_instance,
     policy_error,
     release_ownership,
+    start_content_id,
     take_ownership,
 )
 from .radix_tree import child_key, common_len
@@ -263,9 +264,13 @@ class SWARadixCache(BuiltFromContext):
         head.swa_tombstone = child.swa_tombstone
         head.parent, head.edge = child.parent, child.edge
         head.key, head.value, head.num_tokens = child.key[:length], value[:length], length
+        head.depth, head.namespace, head.new_tokens = child.depth, child.namespace, child.new_tokens
+        head.content_id, head.turn = child.content_id, child.turn  # the head starts where it did
         parent.children[head.edge] = head
         child.key, child.value = child.key[length:], value[length:]
         child.num_tokens -= length
+        child.depth += length
+        child.content_id = start_content_id(child.namespace, child.depth, child.key)
         child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
         child.parent = head
         head.children[child.edge] = child
@@ -526,6 +531,7 @@ class SWARadixCache(BuiltFromContext):
                             True,
                             priority,
                             added,
+                            (pos, extra_key, end - pos),
                         )
                     self._add_node(
                         node,
@@ -535,6 +541,7 @@ class SWARadixCache(BuiltFromContext):
                         False,
                         priority,
                         added,
+                        (live_from, extra_key, end - pos),
                     )
                     new_tokens = end - pos
             if duplicates.numel():
@@ -570,10 +577,14 @@ class SWARadixCache(BuiltFromContext):
         tombstone: bool,
         priority: int,
         added: list[SWARadixNode],
+        features: tuple[int, str | None, int] = (0, None, 0),
     ) -> SWARadixNode:
+        """``features``: the new node's depth, namespace and the tokens its request added."""
         node = SWARadixNode(self._clock, priority)
         node.parent, node.edge, node.key, node.value = parent, edge, key, value
         node.num_tokens = len(key)
+        node.depth, node.namespace, node.new_tokens = features
+        node.content_id = start_content_id(features[1], features[0], key)
         node.swa_tombstone = tombstone
         parent.children[edge] = node
         added.append(node)

@@ -381,3 +381,20 @@ def test_construction_checks_and_factory():
     assert (cache.page_size, cache.options.hash_algorithm) == (8, "blake2b")
     put(cache, allocator, list(range(16)))
     assert cache.num_blocks() == 2 and cache.match_prefix(list(range(16))).prefix_len == 16
+
+
+def test_blocks_carry_candidate_features():
+    cache, allocator = make_cache(capacity=64, page_size=4)
+    cache.insert(CacheKey(list(range(8)), "ns"), allocator.alloc(8))
+    first = cache.match_prefix(CacheKey(list(range(4)), "ns")).last_node
+    second = cache.match_prefix(CacheKey(list(range(8)), "ns")).last_node
+    assert (first.depth, second.depth) == (0, 4)
+    assert first.namespace == second.namespace == "ns"
+    assert first.new_tokens == second.new_tokens == 8  # both added by one 8-token request
+    assert first.content_id == first.block_hash and second.content_id == second.block_hash
+    assert first.content_id != second.content_id and first.content_id and second.content_id
+    assert not first.partial_page and first.turn == -1
+    m = cache.match_prefix(CacheKey(list(range(12)), "ns"))
+    cache.insert(CacheKey(list(range(12)), "ns"), torch.cat([m.device_indices, allocator.alloc(4)]))
+    third = cache.match_prefix(CacheKey(list(range(12)), "ns")).last_node
+    assert (third.depth, third.new_tokens) == (8, 4)  # the extending request added one block

@@ -7,6 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from kvplug.allocators.swa import SWAAllocator
+from kvplug.caches.common import start_content_id
 from kvplug.caches.swa_radix import SWARadixCache, SWARadixNode, SWARadixOptions
 from kvplug.eviction import evict_from_tree_cache
 from kvplug.policies import LRUPolicy
@@ -371,3 +372,26 @@ def test_construction_checks_and_factory():
     put(cache, allocator, A)
     cache.evict(EvictParams(swa_num_tokens=6))
     assert cache.match_prefix(A).prefix_len == 8  # 2 live tokens are a whole window of 2
+
+
+def test_nodes_carry_candidate_features():
+    cache, allocator = make_swa()
+    put(cache, allocator, A + B, extra_key="ns")
+    m = cache.match_prefix(CacheKey(A + [99], "ns"))  # splits the node after A
+    head = m.last_node
+    tail = next(iter(head.children.values()))
+    assert (head.depth, head.num_tokens, tail.depth, tail.num_tokens) == (0, 8, 8, 8)
+    assert head.namespace == tail.namespace == "ns"
+    assert head.new_tokens == tail.new_tokens == 16  # both come from the request that added 16
+    assert head.content_id != tail.content_id and head.content_id and tail.content_id
+    assert not head.partial_page and not tail.partial_page and tail.turn == -1
+    put(cache, allocator, A + C, extra_key="ns")
+    branch = cache.match_prefix(CacheKey(A + C, "ns")).last_node
+    assert (branch.depth, branch.num_tokens, branch.new_tokens) == (8, 2, 2)
+    # identity is where the content starts: the same start cached again gets the same id
+    assert tail.content_id == start_content_id("ns", 8, tuple(B))
+    cache.evict(EvictParams(num_tokens=18))
+    assert cache.total_size() == 0
+    put(cache, allocator, A + B, extra_key="ns")
+    again = cache.match_prefix(CacheKey(A + B, "ns")).last_node
+    assert (again.depth, again.content_id) == (0, start_content_id("ns", 0, tuple(A + B)))

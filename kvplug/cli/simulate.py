@@ -32,7 +32,7 @@ from ..sim.report import PlotUnavailable, results_table, write_csv, write_json, 
 from ..traces import PRESETS, TraceError
 from .app import EXIT_BAD_CONFIG, DebugOption, app, err, fail, out
 
-DEFAULT_POLICIES = "lru,lfu,fifo,slru,arc,s3fifo,lhd,gdsf"
+DEFAULT_POLICIES = "lru,lfu,fifo,slru,arc,s3fifo,lhd,olru,gdsf"
 DEFAULT_CAPACITIES = "5%,10%,25%"
 
 

@@ -1,6 +1,6 @@
 """Built-in eviction policies: ``lru`` (the default), ``lfu``, ``fifo``, ``mru``, ``filo``,
-``priority``, ``slru``; the learning policies ``arc``, ``s3fifo``, ``lhd`` and the cost-aware
-``gdsf``."""
+``priority``, ``slru``; the learning policies ``arc``, ``s3fifo``, ``lhd``, ``olru`` and the
+cost-aware ``gdsf``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from ..policies import (
     LHDPolicy,
     LRUPolicy,
     MRUPolicy,
+    OLRUOptions,
+    OLRUPolicy,
     PriorityPolicy,
     S3FIFOOptions,
     S3FIFOPolicy,
@@ -78,6 +80,12 @@ def kvplug_eviction_policies() -> Iterator[EvictionPolicyRegistration]:
         factory=LHDPolicy,
         options_model=LHDOptions,
         description="learned hit density per class and age, guarded against losing to LRU",
+    )
+    yield EvictionPolicyRegistration(
+        name="olru",
+        factory=OLRUPolicy,
+        options_model=OLRUOptions,
+        description="LRU shifted by learned reuse odds per conversation-turn class, LRU-guarded",
     )
     yield EvictionPolicyRegistration(
         name="gdsf",

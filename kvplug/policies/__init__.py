@@ -2,7 +2,8 @@
 
 One module per family; ``builtin`` holds the sort-key policies every engine knows (LRU, LFU,
 FIFO, MRU, FILO, priority, SLRU); ``arc``, ``s3fifo`` and ``lhd`` learn from feedback
-(:class:`~kvplug_hookspecs.FeedbackEvictionPolicy`); ``gdsf`` weighs recompute cost
+(:class:`~kvplug_hookspecs.FeedbackEvictionPolicy`), ``olru`` shifts LRU by learned reuse odds
+of conversation-turn classes; ``gdsf`` weighs recompute cost
 (:mod:`.cost`). New policies are new modules here, registered in
 :mod:`kvplug.plugins.policies`.
 """
@@ -23,6 +24,7 @@ from .builtin import (
 from .cost import CostModel
 from .gdsf import GDSFOptions, GDSFPolicy
 from .lhd import LHDOptions, LHDPolicy
+from .olru import OLRUOptions, OLRUPolicy
 from .s3fifo import S3FIFOOptions, S3FIFOPolicy
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "LHDPolicy",
     "LRUPolicy",
     "MRUPolicy",
+    "OLRUOptions",
+    "OLRUPolicy",
     "PriorityPolicy",
     "S3FIFOOptions",
     "S3FIFOPolicy",

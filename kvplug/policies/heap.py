@@ -61,6 +61,20 @@ class LazyHeap:
             del self._live[candidate]
         return candidate
 
+    def rekey(self, key: Any) -> None:
+        """Give every member the key ``key(candidate)`` (O(N))."""
+        self._stamp += 1
+        stamp = self._stamp
+        live = self._live
+        for candidate in live:
+            live[candidate] = (key(candidate), candidate.node_id, stamp, candidate)
+        self._heap = list(live.values())
+        heapq.heapify(self._heap)
+
+    def members(self) -> list[EvictionCandidate]:
+        """The members, in no particular order."""
+        return list(self._live)
+
     def clear(self) -> None:
         self._heap.clear()
         self._live.clear()

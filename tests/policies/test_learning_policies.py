@@ -22,7 +22,7 @@ from kvplug.policies import (
 from kvplug_hookspecs import CandidateStats, EvictionPolicy, EvictParams, FeedbackEvictionPolicy
 from tests.cache_helpers import make_radix, put
 
-LEARNING = ("arc", "s3fifo", "lhd", "gdsf")
+LEARNING = ("arc", "s3fifo", "lhd", "olru", "gdsf")
 
 
 def leaf(now: int, tokens: int = 4, content: int = 0, depth: int = 0) -> CandidateStats:

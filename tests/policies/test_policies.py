@@ -23,6 +23,7 @@ def test_builtin_policies_are_registered_with_descriptions():
         "arc",
         "s3fifo",
         "lhd",
+        "olru",
         "gdsf",
     )
     for registration in POLICIES.values():

@@ -116,7 +116,8 @@ def test_observer_plugins_receive_cache_events_through_build(cache_name):
     cache.insert(list(range(100, 132)), allocator.alloc(32))
     assert stack.evict_for(32).num_tokens == 16  # 16 free, 32 needed: evict 16
     cache.reset()
-    hashes = 0 if cache_name == "swa_radix" else 4  # one per page (page 4); swa_radix: none
+    hashes = 16 // cache.page_size  # one per page (page 4; swa_radix here: page 1)
+    assert cache.page_size == (1 if cache_name == "swa_radix" else 4)
     assert events[:3] == [("stored", 16, hashes), ("stored", 32, 2 * hashes), ("removed", 16)]
     assert events[-1] == ("cleared", 32)
 

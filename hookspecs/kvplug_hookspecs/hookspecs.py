@@ -103,8 +103,8 @@ def kvplug_prefix_stored(event: PrefixStored) -> None:
     """A prefix cache stored new tokens.
 
     Called by the cache after an ``insert`` that cached ``event.num_tokens`` new tokens
-    (``radix`` and ``block_hash`` also give one chained hash per new page, the parent page's
-    hash and the new tokens). Not called at all when no plugin implements it.
+    (``radix``, ``swa_radix`` and ``block_hash`` also give one chained hash per new page, the
+    parent page's hash and the new tokens). Not called at all when no plugin implements it.
 
     Example::
 

@@ -1,4 +1,4 @@
-"""KV events of the ``radix`` cache, with per-page chained block hashes.
+"""KV events of the ``radix`` and ``swa_radix`` caches, with per-page chained block hashes.
 
 A :class:`RadixBlockHashes` exists only while someone observes the cache's events (the cache
 holds ``None`` otherwise and calls nothing here): with no observer, no page is ever hashed.
@@ -15,20 +15,31 @@ pages. The events carry :func:`~kvplug.caches.block_hashing.event_hash` of those
   eviction order; a leaf cut by an exact eviction reports only its freed tail pages;
 * ``reset``: ``CacheCleared`` (the cache emits it; a fresh instance starts with the new tree).
 
-A page is never partial: ``radix`` caches whole pages only (the unaligned tail of a key stays
+``swa_radix`` reports its full side the same way (a window tombstone keeps its full KV, so its
+pages stay stored; freeing only the window emits no hashes, as SGLang's SWA tree emits nothing).
+
+A page is never partial: the radix caches cache whole pages only (the unaligned tail of a key stays
 the caller's), as SGLang's radix cache does, so every hash covers ``page_size`` tokens.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from kvplug_hookspecs import CacheEvents, PrefixRemoved, PrefixStored
 
 from .block_hashing import event_hash, hasher_for, iter_chain, seed
 
-if TYPE_CHECKING:
-    from .radix import RadixNode
+
+class RadixNode(Protocol):
+    """What the hashes read of a tree node (``RadixNode`` and ``SWARadixNode`` have it)."""
+
+    parent: Any
+    key: tuple[int, ...]
+    num_tokens: int
+    namespace: str | None
+
 
 __all__ = ["RadixBlockHashes"]
 
@@ -88,7 +99,7 @@ class RadixBlockHashes:
         )
 
     def removed(
-        self, leaves: list[RadixNode], cut: RadixNode | None, cut_pages: int, num_tokens: int
+        self, leaves: Sequence[RadixNode], cut: RadixNode | None, cut_pages: int, num_tokens: int
     ) -> None:
         """Report an eviction: ``leaves`` were unlinked (in that order), then ``cut`` (when not
         ``None``) lost its last ``cut_pages`` pages. Forgets what is no longer cached."""

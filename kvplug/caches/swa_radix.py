@@ -72,13 +72,13 @@ from .common import (
     check_int,
     check_key,
     emit_removed,
-    emit_stored,
     new_policy_instance,
     policy_error,
     release_ownership,
     start_content_id,
     take_ownership,
 )
+from .radix_events import RadixBlockHashes
 from .radix_tree import child_key, common_len
 
 __all__ = ["SWARadixCache", "SWARadixNode", "SWARadixOptions"]
@@ -193,6 +193,10 @@ class SWARadixCache(BuiltFromContext):
         self.root = SWARadixNode(self._clock)
         self.root.value = self._empty
         self.root.full_lock_ref = self.root.swa_lock_ref = 1  # never evicted, never in a set
+        # page hashes of the full side for the KV events, only when someone observes them
+        self._hashes = None
+        if self.events is not None:
+            self._hashes = RadixBlockHashes(self.events, self.name, self.root, self.page_size)
         self._dead: dict[SWARadixNode, None] = {}  # unlocked tombstoned leaves, oldest first
         self._full_evictable = self._full_protected = 0
         self._swa_evictable = self._swa_protected = 0
@@ -274,6 +278,8 @@ class SWARadixCache(BuiltFromContext):
         child.edge = child.key[0] if self.page_size == 1 else child.key[: self.page_size]
         child.parent = head
         head.children[child.edge] = child
+        if self._hashes is not None:  # no event: a split changes no cached content
+            self._hashes.split(head, child)
         for policy in (self.full_policy, self.swa_policy):
             if child in policy:  # its size changed: let size-aware policies re-rank it
                 policy.discard(child)
@@ -565,7 +571,9 @@ class SWARadixCache(BuiltFromContext):
             raise policy_error(self.full_policy, "insert", exc) from exc
         if new_tokens:
             self.stats.inserted_tokens += new_tokens
-            emit_stored(self.events, self.name, new_tokens, extra_key=extra_key)
+            if self._hashes is not None:
+                for node in added:  # the full side is cached, window-live or not
+                    self._hashes.stored(node)
         return pos
 
     def _add_node(
@@ -779,6 +787,9 @@ class SWARadixCache(BuiltFromContext):
         swa_victims: list[torch.Tensor] = []
         counters = self._counters()
         undo: list[Callable[[], None]] = []
+        removed: list[SWARadixNode] = []  # unlinked leaves, in eviction order (for the events)
+        cut_leaf: SWARadixNode | None = None
+        cut_pages = 0
         stage = "policy"
         try:
             while full_freed < full_need:
@@ -795,6 +806,7 @@ class SWARadixCache(BuiltFromContext):
                     full_victims.append(leaf.value[keep:])
                     self._set_kv(leaf, leaf.key[:keep], leaf.value[:keep], keep)
                     self._refresh(leaf)
+                    cut_leaf, cut_pages = leaf, cut // page
                     freed = cut
                 else:
                     full_victims.append(leaf.value)
@@ -803,6 +815,7 @@ class SWARadixCache(BuiltFromContext):
                     del parent.children[leaf.edge]
                     leaf.parent = None
                     undo.append(functools.partial(self._relink, leaf, parent))
+                    removed.append(leaf)
                     self.swa_policy.discard(leaf)
                     self._refresh(parent)
                 full_freed += freed
@@ -841,6 +854,7 @@ class SWARadixCache(BuiltFromContext):
                     action()
                 self._set_counters(full_counters)
                 self._resync()
+                self._report_removed(removed, cut_leaf, cut_pages, full_freed)
                 self._record_eviction(full_freed, full_freed - (swa_freed - tombstoned), 0)
                 raise
             for action in reversed(undo):
@@ -850,6 +864,7 @@ class SWARadixCache(BuiltFromContext):
             if stage == "free":
                 raise
             raise policy_error(self.full_policy, "evict", exc) from exc
+        self._report_removed(removed, cut_leaf, cut_pages, full_freed)
         self._record_eviction(full_freed, swa_freed, tombstoned)
         return EvictResult(num_tokens=full_freed, swa_num_tokens=swa_freed)
 
@@ -858,8 +873,15 @@ class SWARadixCache(BuiltFromContext):
         stats.evictions += 1
         stats.evicted_tokens += full_freed
         stats.swa_evicted_tokens += swa_freed
-        emit_removed(self.events, self.name, full_freed)
-        emit_removed(self.events, self.name, tombstoned, reason="swa_evicted")
+        emit_removed(self.events, self.name, tombstoned, reason="swa_evicted")  # no hashes
+
+    def _report_removed(
+        self, removed: list[SWARadixNode], cut: SWARadixNode | None, cut_pages: int, freed: int
+    ) -> None:
+        """The ``PrefixRemoved`` of an eviction's full side, with the freed pages' hashes
+        (without an observer, only the counts are kept)."""
+        if self._hashes is not None and freed:
+            self._hashes.removed(removed, cut, cut_pages, freed)
 
     @staticmethod
     def _set_kv(node: SWARadixNode, key: tuple[int, ...], value: torch.Tensor, n: int) -> None:

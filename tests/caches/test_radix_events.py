@@ -214,3 +214,136 @@ def test_random_operations_keep_every_node_hash_and_the_published_set_exact(page
         cached.extend(ev(expected))
     assert sorted(cached) == sorted(h for h, n in live.items() for _ in range(n))
     assert all(n in (0, 1) for n in live.values())
+
+
+# -- swa_radix: the full side, with the same hashes; the window side keeps count-only events ----
+
+
+def _swa(events: RecordingEvents, page_size: int = 1):
+    from kvplug.allocators import SWAAllocator
+    from kvplug.caches.swa_radix import SWARadixCache
+
+    allocator = SWAAllocator(64, 32, 4, page_size=page_size, device="cpu", debug_checks=True)
+    cache = SWARadixCache(allocator, new_policy_factory("lru"), events=events)
+    return cache, allocator
+
+
+def test_swa_radix_full_side_events_carry_the_radix_hashes():
+    events = RecordingEvents()
+    cache, allocator = _swa(events)
+    a = chain([1, 2, 3, 4, 5, 6], 1)
+    put(cache, allocator, [1, 2, 3, 4, 5, 6])
+    assert stored(events) == [(6, ev(a), None, (1, 2, 3, 4, 5, 6), None)]
+
+    # the window side of the oldest 3 tokens is freed: a split and a tombstone, no hashes
+    cache.evict(EvictParams(swa_num_tokens=3))
+    assert removed(events) == [(3, (), "swa_evicted")]
+    assert len(events.stored) == 1
+
+    # a key whose first 2 new tokens already lost their window: two nodes, one event each,
+    # the second chained on the first (the tombstoned head is still stored on the full side)
+    b = chain([7, 8, 9, 10], 1, parent=a[5])
+    slots = allocator.alloc(10)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], slots, swa_evicted_seqlen=8)
+    assert stored(events)[1:] == [
+        (2, ev(b[:2]), ev(a)[5], (7, 8), None),
+        (2, ev(b[2:]), ev(b)[1], (9, 10), None),
+    ]
+
+    # full eviction: the leaf [9, 10], then [7, 8] cut by exact granularity to its first page
+    cache.evict(EvictParams(num_tokens=3))
+    assert removed(events)[1] == (3, ev(b[2:]) + ev(b[1:2]), "evicted")
+    assert cache.total_size() == 7  # [1..6] and [7] stay cached on the full side
+
+    cache.reset()
+    assert events.cleared[-1].num_tokens == 7
+
+
+def test_swa_radix_page_4_hashes_equal_radix_and_block_hash():
+    """The same pages from the root hash alike in radix and swa_radix (and block_hash)."""
+    key = list(range(100, 116))
+    got = []
+    for kind in ("radix", "swa"):
+        events = RecordingEvents()
+        if kind == "radix":
+            cache, allocator = make_radix(capacity=64, page_size=4, events=events)
+        else:
+            cache, allocator = _swa(events, page_size=4)
+        put(cache, allocator, key)
+        put(cache, allocator, key, extra_key="lora-1")
+        got.append((events.stored[0].block_hashes, events.stored[1].block_hashes))
+    assert got[0] == got[1] == (ev(chain(key, 4)), ev(chain(key, 4, parent=seed("lora-1"))))
+
+
+def test_swa_radix_without_an_observer_hashes_nothing(monkeypatch):
+    from kvplug.allocators import SWAAllocator
+    from kvplug.caches.swa_radix import SWARadixCache
+
+    def boom(*args, **kwargs):
+        raise AssertionError("hashed without an observer")
+
+    monkeypatch.setattr(radix_events, "iter_chain", boom)
+    allocator = SWAAllocator(64, 32, 4, device="cpu")
+    cache = SWARadixCache(allocator, new_policy_factory("lru"))
+    put(cache, allocator, [1, 2, 3, 4])
+    cache.evict(EvictParams(num_tokens=2, swa_num_tokens=2))
+    assert cache._hashes is None
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_swa_radix_random_operations_keep_the_published_set_exact(page_size: int):
+    """swa_radix under seeded random inserts (some with window-freed heads), probes, locks,
+    full and window evictions: every node's hashes follow the rule on its path, and the hashes
+    stored minus those removed are exactly the pages cached on the full side."""
+    import random
+
+    rng = random.Random(100 + page_size)
+    events = RecordingEvents()
+    cache, allocator = _swa(events, page_size)
+    p = page_size
+    locked: list = []
+    for _ in range(150):
+        op = rng.random()
+        key = [rng.randrange(3) for _ in range(p * rng.randrange(1, 5))]
+        if op < 0.45:
+            short = allocator.shortfall(len(key))
+            if short is not None:
+                cache.evict(short)
+            if allocator.shortfall(len(key)) is None:
+                cache.match_prefix(key)  # a hit first, as an engine does
+                slots = allocator.alloc(len(key))
+                gone = p * rng.randrange(0, len(key) // p + 1) if rng.random() < 0.3 else 0
+                cache.insert(key, slots, swa_evicted_seqlen=gone)
+        elif op < 0.6:
+            cache.match_prefix(key, record_hit=rng.random() < 0.5)
+        elif op < 0.75:
+            node = cache.match_prefix(key).last_node
+            cache.inc_lock_ref(node)
+            locked.append(node)
+        elif op < 0.85 and locked:
+            cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            full, window = p * rng.randrange(0, 3), p * rng.randrange(0, 3)
+            cache.evict(EvictParams(num_tokens=full, swa_num_tokens=window))
+    assert len(events.removed) > 3 and len(events.stored) > 5
+    assert any(e.reason == "swa_evicted" and e.num_tokens for e in events.removed)
+
+    live: dict[int, int] = {}
+    for e in events.stored:
+        for h in e.block_hashes:
+            live[h] = live.get(h, 0) + 1
+    for e in events.removed:
+        assert e.reason == "evicted" or e.block_hashes == ()
+        for h in e.block_hashes:
+            live[h] -= 1
+    cached = []
+    for node in cache._nodes():
+        path, up = [], node
+        while up is not cache.root:
+            path[:0] = up.key
+            up = up.parent
+        expected = chain(path, p)[-(node.num_tokens // p) :]
+        assert cache._hashes.digests(node) == expected
+        cached.extend(ev(expected))
+    assert sorted(cached) == sorted(h for h, n in live.items() for _ in range(n))
+    assert all(n in (0, 1) for n in live.values())

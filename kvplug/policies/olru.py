@@ -17,6 +17,13 @@ learned online, per class, with decaying counts:
   ghost of an evicted candidate) per candidate that entered the class;
 * ``tau``: ``tau_scale`` times the mean age at reuse (hits and ghost hits).
 
+**Admission window.** Reuse of a first turn rarely comes before its typical reuse age, and at
+small capacities LRU evicts first turns just before their conversations come back. So while the
+learned ranking's victim would be a first turn younger than ``admission_window * tau``, the
+*youngest* first turn goes instead: the cache keeps a subset of first turns long enough to be
+reused rather than every first turn too briefly (on the conversation trace at 3 % capacity this
+is most of ``olru``'s gain; with ``admission_window = 0`` it is plain odds-weighted LRU).
+
 Classes: the conversation turn (0: nothing before it; 1; 2 or more), whether the candidate is a
 tail a request did not reuse (split or trimmed), and whether it was hit. The turn is the cache's
 ``turn`` feature when it provides one; otherwise the policy infers it: a candidate created right
@@ -29,7 +36,8 @@ and the other evicts is watched; its reuse (a hit, or an insert matching its gho
 the ranking that kept it. The policy follows the ranking whose decayed score leads (LRU at the
 start), so it falls back to LRU on traces where the classes mislead, and returns when they help.
 
-Cost per eviction: two heap heads, O(log N); per access two heap pushes. Deterministic.
+Cost per eviction: two or three heap heads, O(log N); per access two or three heap pushes; the
+learned ranking is re-keyed (O(N)) at most once per N/4 reuses. Deterministic.
 """
 
 from __future__ import annotations
@@ -56,6 +64,11 @@ class OLRUOptions(FrozenModel):
     """Credit per unit of log-odds, as a multiple of the learned mean age at reuse."""
     max_credit: Annotated[float, Field(gt=0.0, le=64.0)] = 3.0
     """Credits are clamped to ``± max_credit * tau``."""
+    admission_window: Annotated[float, Field(ge=0.0, le=64.0)] = 2.0
+    """A first turn (turn 0, not a tail, never hit) at the head of the learned ranking that is
+    younger than ``admission_window * tau`` stays; the youngest first turn goes instead (0: off).
+    Reuse of a first turn rarely comes before its typical reuse age, so keeping a subset that
+    long beats keeping every first turn briefly."""
     turn_classes: bool = True
     """Class by conversation turn (0, 1, 2+): the cache's ``turn`` or the inferred one."""
     tail_classes: bool = True
@@ -103,6 +116,8 @@ class OLRUPolicy(FeedbackEvictionPolicy):
         self._active = LazyHeap()  # the ranking in use, over the evictable candidates
         self._shadow = LazyHeap()  # the other ranking, as it would have evolved (the guard)
         self._live: dict[EvictionCandidate, None] = {}
+        self._young = LazyHeap()  # first turns, youngest first (the admission window)
+        self._window = o.admission_window
         self._class: dict[EvictionCandidate, int] = {}
         self._turn: dict[EvictionCandidate, int] = {}
         self._tail: dict[EvictionCandidate, None] = {}
@@ -301,8 +316,13 @@ class OLRUPolicy(FeedbackEvictionPolicy):
         return candidate.last_access_time
 
     def _enter(self, candidate: EvictionCandidate) -> None:
-        self._class[candidate] = self.class_of(candidate)
+        self._class[candidate] = cls = self.class_of(candidate)
         self._live[candidate] = None
+        if self._window:
+            if cls == 0:
+                self._young.push(candidate, -candidate.last_access_time)
+            else:
+                self._young.remove(candidate)
         self._active.push(candidate, self._key(candidate, self.use_learned))
         if self._guard and candidate not in self._watched:
             self._shadow.push(candidate, self._key(candidate, not self.use_learned))
@@ -312,6 +332,7 @@ class OLRUPolicy(FeedbackEvictionPolicy):
             del self._live[candidate]
             self._active.remove(candidate)
             self._shadow.remove(candidate)
+            self._young.remove(candidate)
             # it stopped being a leaf (extended) or is in use: a new candidate starting where it
             # ends continues its conversation
             end = candidate.depth + candidate.num_tokens
@@ -322,11 +343,20 @@ class OLRUPolicy(FeedbackEvictionPolicy):
 
     def _victim(self, remove: bool) -> EvictionCandidate | None:
         victim = self._active.peek()
+        if (
+            victim is not None
+            and self.use_learned
+            and self._window
+            and self._class[victim] == 0
+            and self.now - victim.last_access_time < self._window * self.tau
+        ):
+            victim = self._young.peek()  # the admission window: the youngest first turn goes
         if victim is None or not remove:
             return victim
         if self._guard:
             self._pair = (victim, self._shadow.peek())
         self._active.remove(victim)
+        self._young.remove(victim)
         del self._live[victim]
         return victim
 
@@ -339,6 +369,7 @@ class OLRUPolicy(FeedbackEvictionPolicy):
     def _clear(self) -> None:
         self._active.clear()
         self._shadow.clear()
+        self._young.clear()
         self._live.clear()
         self._class.clear()
         self._turn.clear()

@@ -167,3 +167,24 @@ def test_through_a_radix_cache_a_continuation_is_turn_one():
     policy = cache.policy
     (cont,) = list(policy._live)
     assert (cont.depth, policy.turn_of(cont)) == (6, 1)
+
+
+def test_admission_window_evicts_the_youngest_first_turn_while_the_head_is_young():
+    p = OLRUPolicy(OLRUOptions(guard=False, prior=1.0))
+    now = teach(p, 70)  # tau = 10
+    older, younger = leaf(now, depth=10_000), leaf(now + 3, depth=20_000)
+    p.add(older)
+    p.add(younger)
+    p.now = now + 5  # the head (older) is 5 < 2 x tau ticks old: the youngest goes
+    assert p.peek() is younger
+    assert p.pop() is younger
+    p.add(younger)  # (re-added: a trimmed tail)
+    p.now = now + 25  # now older than 2 x tau: plain ranking
+    assert p.pop() is older
+    q = OLRUPolicy(OLRUOptions(guard=False, prior=1.0, admission_window=0.0))
+    now = teach(q, 70)
+    older, younger = leaf(now, depth=10_000), leaf(now + 3, depth=20_000)
+    q.add(older)
+    q.add(younger)
+    q.now = now + 5
+    assert q.pop() is older  # window off: odds-weighted LRU

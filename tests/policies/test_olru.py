@@ -170,7 +170,7 @@ def test_through_a_radix_cache_a_continuation_is_turn_one():
 
 
 def test_admission_window_evicts_the_youngest_first_turn_while_the_head_is_young():
-    p = OLRUPolicy(OLRUOptions(guard=False, prior=1.0))
+    p = OLRUPolicy(OLRUOptions(guard=False, prior=1.0, admission_window=2.0))
     now = teach(p, 70)  # tau = 10
     older, younger = leaf(now, depth=10_000), leaf(now + 3, depth=20_000)
     p.add(older)

@@ -21,9 +21,10 @@ learned online, per class, with decaying counts:
 typical reuse age, and at small capacities LRU evicts first turns just before their
 conversations come back. With ``admission_window = w``, while the learned ranking's victim would
 be a first turn younger than ``w * tau``, the *youngest* first turn goes instead: the cache keeps
-a subset of first turns long enough to be reused. ``w = 2`` measured +1.8 points at 3 % capacity
-on the conversation trace, but 0.38 points below LRU on the synthetic chat workload (the guard's
-shadow does not model the window yet), so it is off by default.
+a subset of first turns long enough to be reused. The guard's shadow applies the window too.
+On ``benchmarks/bench_policies.py`` ``w = 2`` closes 8.9 / 13.1 / 2.7 % of the LRU-Belady gap
+on the conversation trace at 1 / 3 / 5 % capacity (10.6 / 6.1 / 1.7 % without), but its worst
+cell is 0.25 points below LRU (synthetic chat at 3 %; 0.01 without), so it is off by default.
 
 **Guard against losing to LRU.** The ranking not in use runs as a shadow: a heap over what that
 ranking would hold, i.e. the cache's candidates minus those it would have evicted ("watched":
@@ -65,7 +66,7 @@ class OLRUOptions(FrozenModel):
     admission_window: Annotated[float, Field(ge=0.0, le=64.0)] = 0.0
     """A first turn (turn 0, not a tail, never hit) at the head of the learned ranking that is
     younger than ``admission_window * tau`` stays; the youngest first turn goes instead (0: off;
-    2 measured +2 points at 3 % capacity on the conversation trace but -0.38 on ``chat``).
+    see the module docstring for what 2 measured).
     Reuse of a first turn rarely comes before its typical reuse age, so keeping a subset that
     long beats keeping every first turn briefly."""
     turn_classes: bool = True
@@ -353,11 +354,26 @@ class OLRUPolicy(FeedbackEvictionPolicy):
         if victim is None or not remove:
             return victim
         if self._guard:
-            self._pair = (victim, self._shadow.peek())
+            self._pair = (victim, self._shadow_victim())
         self._active.remove(victim)
         self._young.remove(victim)
         del self._live[victim]
         return victim
+
+    def _shadow_victim(self) -> EvictionCandidate | None:
+        """The shadow ranking's victim (the learned one applies the admission window too)."""
+        head = self._shadow.peek()
+        if (
+            head is not None
+            and not self.use_learned
+            and self._window
+            and self._class.get(head) == 0
+            and self.now - head.last_access_time < self._window * self.tau
+        ):
+            young = self._young.peek()
+            if young is not None and young in self._shadow:
+                return young
+        return head
 
     def __len__(self) -> int:
         return len(self._live)

@@ -36,6 +36,31 @@ def removed(events: RecordingEvents) -> list[tuple]:
     return [(e.num_tokens, e.block_hashes, e.reason) for e in events.removed]
 
 
+def assert_published_set_exact(cache, events: RecordingEvents, p: int) -> None:
+    """Every node's page hashes follow the rule on its path from the root, and the hashes
+    stored minus those removed are exactly the cached pages' hashes (each once); only
+    evictions of cached pages carry hashes (a window-only eviction carries none)."""
+    live: dict[int, int] = {}
+    for e in events.stored:
+        for h in e.block_hashes:
+            live[h] = live.get(h, 0) + 1
+    for e in events.removed:
+        assert e.reason == "evicted" or e.block_hashes == ()
+        for h in e.block_hashes:
+            live[h] -= 1
+    cached = []
+    for node in cache._nodes():
+        path, up = [], node
+        while up is not cache.root:
+            path[:0] = up.key
+            up = up.parent
+        expected = chain(path, p)[-(node.num_tokens // p) :]
+        assert cache._hashes.digests(node) == expected
+        cached.extend(ev(expected))
+    assert sorted(cached) == sorted(h for h, n in live.items() for _ in range(n))
+    assert all(n in (0, 1) for n in live.values())
+
+
 def test_the_rule_pinned_to_literal_values():
     """A change of the scheme changes these numbers (routers would see other hashes)."""
     assert ev(chain([1, 2], 1)) == (8020595319639443153, 17451725001422572686)
@@ -196,24 +221,7 @@ def test_random_operations_keep_every_node_hash_and_the_published_set_exact(page
             cache.evict(EvictParams(num_tokens=p * rng.randrange(1, 5)))
     assert events.removed and len(events.stored) > 5
 
-    live: dict[int, int] = {}
-    for e in events.stored:
-        for h in e.block_hashes:
-            live[h] = live.get(h, 0) + 1
-    for e in events.removed:
-        for h in e.block_hashes:
-            live[h] -= 1
-    cached = []
-    for node in cache._nodes():
-        path, up = [], node
-        while up is not cache.root:
-            path[:0] = up.key
-            up = up.parent
-        expected = chain(path, p)[-(node.num_tokens // p) :]
-        assert cache._hashes.digests(node) == expected
-        cached.extend(ev(expected))
-    assert sorted(cached) == sorted(h for h, n in live.items() for _ in range(n))
-    assert all(n in (0, 1) for n in live.values())
+    assert_published_set_exact(cache, events, p)
 
 
 # -- swa_radix: the full side, with the same hashes; the window side keeps count-only events ----
@@ -328,22 +336,4 @@ def test_swa_radix_random_operations_keep_the_published_set_exact(page_size: int
     assert len(events.removed) > 3 and len(events.stored) > 5
     assert any(e.reason == "swa_evicted" and e.num_tokens for e in events.removed)
 
-    live: dict[int, int] = {}
-    for e in events.stored:
-        for h in e.block_hashes:
-            live[h] = live.get(h, 0) + 1
-    for e in events.removed:
-        assert e.reason == "evicted" or e.block_hashes == ()
-        for h in e.block_hashes:
-            live[h] -= 1
-    cached = []
-    for node in cache._nodes():
-        path, up = [], node
-        while up is not cache.root:
-            path[:0] = up.key
-            up = up.parent
-        expected = chain(path, p)[-(node.num_tokens // p) :]
-        assert cache._hashes.digests(node) == expected
-        cached.extend(ev(expected))
-    assert sorted(cached) == sorted(h for h, n in live.items() for _ in range(n))
-    assert all(n in (0, 1) for n in live.values())
+    assert_published_set_exact(cache, events, p)

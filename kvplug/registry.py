@@ -21,7 +21,7 @@ import difflib
 import logging
 import os
 import threading
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import import_module, metadata
 from typing import Any, Literal, overload
@@ -34,6 +34,7 @@ from kvplug_hookspecs import (
     AllocatorRegistration,
     ComponentRegistration,
     ComponentSelection,
+    EvictionPolicy,
     EvictionPolicyRegistration,
     KVCacheConfig,
     PrefixCacheRegistration,
@@ -138,6 +139,18 @@ class ResolvedComponent:
 
     registration: ComponentRegistration
     options: BaseModel
+
+
+def new_policy_factory(resolved: ResolvedComponent) -> Callable[[], EvictionPolicy]:
+    """Fresh instances of a resolved eviction policy (options validated once, at resolve): a
+    cache with two evictable sets, like ``swa_radix``, calls it twice."""
+    registration, options = resolved.registration, resolved.options
+
+    def new_policy() -> EvictionPolicy:
+        policy: EvictionPolicy = registration.factory(options)
+        return policy
+
+    return new_policy
 
 
 @dataclass(frozen=True)
@@ -409,6 +422,10 @@ class PluginRegistry(pluggy.PluginManager):
         except ValidationError as exc:
             raise _prefixed(exc, (kind_field, "options"), title=KVCacheConfig.__name__) from None
         return ResolvedComponent(registration, options)
+
+    def policy_factory(self, selection: ComponentSelection) -> Callable[[], EvictionPolicy]:
+        """Validate an eviction-policy selection now; return a maker of fresh instances."""
+        return new_policy_factory(self.resolve("eviction_policy", selection))
 
     def resolve_config(self, config: KVCacheConfig) -> ResolvedConfig:
         """Resolve all three selections of a config (errors before anything is built)."""

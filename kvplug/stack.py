@@ -60,7 +60,7 @@ def build(
     before every name and option has been validated.
     """
     from .config import load_config
-    from .registry import get_registry
+    from .registry import get_registry, new_policy_factory
 
     if not isinstance(config, KVCacheConfig):
         config = load_config(config or {})
@@ -68,13 +68,7 @@ def build(
     resolved = registry.resolve_config(config)
 
     allocator = resolved.allocator.registration.factory(config.pool, resolved.allocator.options)
-    policy_registration = resolved.eviction_policy.registration
-    policy_options = resolved.eviction_policy.options
-
-    def new_policy() -> EvictionPolicy:
-        policy: EvictionPolicy = policy_registration.factory(policy_options)
-        return policy
-
+    new_policy = new_policy_factory(resolved.eviction_policy)
     context = PrefixCacheContext(
         allocator=allocator,
         new_policy=new_policy,

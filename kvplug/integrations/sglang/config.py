@@ -114,14 +114,7 @@ def policy_factory(selection: ComponentSelection) -> Callable[[], EvictionPolicy
     """A factory of fresh policies; the registry validates the options by the policy's model."""
     from ...registry import get_registry
 
-    resolved = get_registry().resolve("eviction_policy", selection)
-    registration, options = resolved.registration, resolved.options
-
-    def new_policy() -> EvictionPolicy:
-        policy: EvictionPolicy = registration.factory(options)
-        return policy
-
-    return new_policy
+    return get_registry().policy_factory(selection)
 
 
 def sglang_version_supported(version: str) -> bool:

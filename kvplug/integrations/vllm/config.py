@@ -87,14 +87,7 @@ def policy_factory(selection: ComponentSelection) -> Callable[[], EvictionPolicy
     """A factory of fresh policies for a selection, resolved and validated by the registry."""
     from ...registry import get_registry
 
-    resolved = get_registry().resolve("eviction_policy", selection)
-    registration, options = resolved.registration, resolved.options
-
-    def new_policy() -> EvictionPolicy:
-        policy: EvictionPolicy = registration.factory(options)
-        return policy
-
-    return new_policy
+    return get_registry().policy_factory(selection)
 
 
 def vllm_version_supported(version: str) -> bool:

@@ -73,7 +73,7 @@ from .common import (
     take_ownership,
 )
 from .radix_events import RadixBlockHashes
-from .radix_tree import common_len
+from .radix_tree import common_len, descendants
 
 __all__ = ["RadixCache", "RadixCacheOptions", "RadixNode"]
 
@@ -373,12 +373,7 @@ class RadixCache(BuiltFromContext):
                     self.policy.add(node)
 
     def _nodes(self) -> list[RadixNode]:
-        nodes, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            stack.extend(node.children.values())
-        return nodes
+        return descendants(self.root)
 
     def match_prefix(
         self, key: CacheKey | Sequence[int], *, record_hit: bool = True, gather: bool = True

@@ -1,5 +1,5 @@
-"""What the two radix trees (``radix`` and ``swa_radix``) share: how a child is keyed and how
-far an edge matches a key.
+"""What the two radix trees (``radix`` and ``swa_radix``) share: how a child is keyed, how
+far an edge matches a key, and the walk over every node.
 
 A child of a node is keyed by its first token (``page_size == 1``) or its first page (a tuple of
 ``page_size`` tokens); children of the root also carry the namespace (``extra_key``), so two
@@ -8,9 +8,29 @@ namespaces never share a node.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["child_key", "common_len"]
+__all__ = ["child_key", "common_len", "descendants"]
+
+
+class _Node(Protocol):
+    @property
+    def children(self) -> dict[Any, Any]: ...
+
+
+N = TypeVar("N", bound=_Node)
+
+
+def descendants(root: N) -> list[N]:
+    """Every node below ``root`` (not ``root`` itself), depth first: for whole-tree operations
+    (reset, checks, a policy resync), never on a per-request path."""
+    nodes: list[N] = []
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
 
 
 def child_key(

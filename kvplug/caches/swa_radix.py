@@ -79,7 +79,7 @@ from .common import (
     take_ownership,
 )
 from .radix_events import RadixBlockHashes
-from .radix_tree import child_key, common_len
+from .radix_tree import child_key, common_len, descendants
 
 __all__ = ["SWARadixCache", "SWARadixNode", "SWARadixOptions"]
 
@@ -895,12 +895,7 @@ class SWARadixCache(BuiltFromContext):
     # -- whole-cache operations -----------------------------------------------------------------
 
     def _nodes(self) -> list[SWARadixNode]:
-        nodes, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            stack.extend(node.children.values())
-        return nodes
+        return descendants(self.root)
 
     def all_values_flatten(self) -> torch.Tensor:
         """Every cached full slot (int64, on device): for checks and debugging."""

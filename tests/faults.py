@@ -34,6 +34,18 @@ class _Unordered:
     __gt__ = __le__ = __ge__ = __lt__
 
 
+# Every (method, mode) a FaultyPolicy can be armed with.
+TRAPS = [
+    ("key", "raise"),
+    ("key", "incomparable"),
+    ("add", "raise"),
+    ("touch", "raise"),
+    ("discard", "raise"),
+    ("pop", "raise"),
+    ("pop", "foreign"),
+]
+
+
 class FaultyPolicy(LRUPolicy):
     """LRU until armed; then one call fails (see the module docstring)."""
 

@@ -22,7 +22,7 @@ from kvplug.caches.swa_radix import SWARadixCache
 from kvplug.errors import PolicyError
 from kvplug_hookspecs import CacheKey, EvictParams
 from tests.cache_helpers import DEVICE
-from tests.faults import Boom, FaultyPolicy, failing_free, state
+from tests.faults import TRAPS, Boom, FaultyPolicy, failing_free, state
 
 KINDS = ("radix", "radix_paged", "swa_radix", "block_hash", "chunk")
 TREE_KINDS = KINDS[:-1]
@@ -224,16 +224,6 @@ def test_a_lock_count_never_goes_negative(kind):
 
 
 # -- broken policies --------------------------------------------------------------------------
-
-TRAPS = [
-    ("key", "raise"),
-    ("key", "incomparable"),
-    ("add", "raise"),
-    ("touch", "raise"),
-    ("discard", "raise"),
-    ("pop", "raise"),
-    ("pop", "foreign"),
-]
 
 
 def _operations(s: Scenario) -> dict[str, Callable[[], Any]]:

@@ -25,7 +25,7 @@ from kvplug.caches.radix import RadixCache
 from kvplug.caches.swa_radix import SWARadixCache
 from kvplug.errors import PolicyError
 from kvplug_hookspecs import CacheKey, EvictParams
-from tests.faults import Boom, FaultyPolicy, failing_free, state
+from tests.faults import TRAPS, Boom, FaultyPolicy, failing_free, state
 
 CAPACITY = 64
 SETTINGS = settings(
@@ -39,17 +39,7 @@ prompts = st.builds(
     st.sampled_from([(), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 9, 9)]),
     st.lists(st.integers(0, 3), max_size=9),
 )
-traps = st.sampled_from(
-    [
-        ("key", "raise"),
-        ("key", "incomparable"),
-        ("add", "raise"),
-        ("touch", "raise"),
-        ("discard", "raise"),
-        ("pop", "raise"),
-        ("pop", "foreign"),
-    ]
-)
+traps = st.sampled_from(TRAPS)
 
 
 @dataclass(eq=False)

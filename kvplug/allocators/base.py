@@ -235,11 +235,9 @@ class BaseAllocator:
             self._positions = torch.arange(size + page_size, device=self.device)
         # the NumPy check path on a CPU device (module docstring); tests switch it off to run
         # the device path on the CPU
-        self._host = self.prefer_host_path and self.device.type == "cpu"
-        self._dup_scratch_np = self._positions_np = None
-        if self._host and self._dup_scratch is not None and self._positions is not None:
-            self._dup_scratch_np = self._dup_scratch.numpy()
-            self._positions_np = self._positions.numpy()
+        self._dup_scratch_np: np.ndarray | None = None
+        self._positions_np: np.ndarray | None = None
+        self.use_host_path(self.prefer_host_path)
 
     # -- to implement -------------------------------------------------------------------------
     def available_size(self) -> int:
@@ -378,9 +376,11 @@ class BaseAllocator:
         """Use the NumPy path on a CPU device (the default) or the device's torch ops (tests
         run both on the CPU to prove they agree)."""
         self._host = enabled and self.device.type == "cpu"
-        if self._host and self._dup_scratch is not None and self._positions is not None:
-            self._dup_scratch_np = self._dup_scratch.numpy()
-            self._positions_np = self._positions.numpy()
+        scratch, positions = self._dup_scratch, self._positions
+        if self._host and scratch is not None and positions is not None:
+            self._dup_scratch_np, self._positions_np = scratch.numpy(), positions.numpy()
+        else:
+            self._dup_scratch_np = self._positions_np = None
         for value in vars(self).values():
             if isinstance(value, FreeIdStack):
                 value.use_host(enabled)

@@ -1,0 +1,408 @@
+/* kvplug._speedups: the compiled kernels of kvplug.speedups (see that module for the reference
+ * Python versions, which define the behaviour; tests run both).
+ *
+ * Why C: the radix tree's per-request cost is Python bytecode over ~60-120 nodes (the walk, the
+ * lock walks, the hit stamps) and a dozen small NumPy calls for the allocator's checks. Each
+ * kernel here is one call doing that loop.
+ *
+ * Node fields are read and written through the offsets of their __slots__ (what the slot's
+ * member descriptor does), found once per node class by bind_node_type(). A node whose exact
+ * type is not the bound class is refused with TypeError (the Python side never passes one).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+/* -- node layout ------------------------------------------------------------------------------ */
+
+enum { F_CHILDREN, F_KEY, F_NUM_TOKENS, F_PARENT, F_LOCK_REF, F_LAST_ACCESS, F_HIT_COUNT, F_COUNT };
+static const char *field_names[F_COUNT] = {
+    "children", "key", "num_tokens", "parent", "lock_ref", "last_access_time", "hit_count"};
+
+static PyTypeObject *node_type = NULL; /* strong reference */
+static Py_ssize_t offsets[F_COUNT];
+
+static PyObject *bind_node_type(PyObject *Py_UNUSED(self), PyObject *cls) {
+    Py_ssize_t found[F_COUNT];
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "bind_node_type takes a class");
+        return NULL;
+    }
+    for (int i = 0; i < F_COUNT; i++) {
+        PyObject *d = PyObject_GetAttrString(cls, field_names[i]);
+        if (d == NULL) return NULL;
+        if (!Py_IS_TYPE(d, &PyMemberDescr_Type) ||
+            ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+            Py_DECREF(d);
+            PyErr_Format(PyExc_TypeError, "%R.%s is not a __slots__ field", cls, field_names[i]);
+            return NULL;
+        }
+        found[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        Py_DECREF(d);
+    }
+    Py_INCREF(cls);
+    Py_XSETREF(node_type, (PyTypeObject *)cls);
+    memcpy(offsets, found, sizeof(offsets));
+    Py_RETURN_NONE;
+}
+
+#define SLOT(obj, f) (*(PyObject **)((char *)(obj) + offsets[f]))
+
+static int check_node(PyObject *node) {
+    if (node_type == NULL || Py_TYPE(node) != node_type) {
+        PyErr_Format(PyExc_TypeError, "expected a bound node (%R), got %R",
+                     (PyObject *)node_type, (PyObject *)Py_TYPE(node));
+        return -1;
+    }
+    return 0;
+}
+
+/* A field's value (borrowed); AttributeError when the slot is unset. */
+static PyObject *get_field(PyObject *node, int f) {
+    PyObject *v = SLOT(node, f);
+    if (v == NULL) PyErr_Format(PyExc_AttributeError, "node field '%s' is not set", field_names[f]);
+    return v;
+}
+
+static void set_field(PyObject *node, int f, PyObject *value) { /* steals value */
+    Py_XSETREF(SLOT(node, f), value);
+}
+
+static int get_long_field(PyObject *node, int f, long long *out) {
+    PyObject *v = get_field(node, f);
+    if (v == NULL) return -1;
+    *out = PyLong_AsLongLong(v);
+    if (*out == -1 && PyErr_Occurred()) return -1;
+    return 0;
+}
+
+static int set_long_field(PyObject *node, int f, long long value) {
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL) return -1;
+    set_field(node, f, v);
+    return 0;
+}
+
+/* -- walk ------------------------------------------------------------------------------------- */
+
+/* The child of `node` that starts at ids[pos] (borrowed), or NULL with no error when none. */
+static PyObject *child_at(PyObject *node, PyObject *ids, Py_ssize_t pos, Py_ssize_t page,
+                          PyObject *extra_key) {
+    PyObject *children = get_field(node, F_CHILDREN), *first, *key, *child;
+    if (children == NULL) return NULL;
+    if (!PyDict_Check(children)) {
+        PyErr_SetString(PyExc_TypeError, "node.children must be a dict");
+        return NULL;
+    }
+    if (page == 1) {
+        first = PyTuple_GET_ITEM(ids, pos);
+        Py_INCREF(first);
+    } else {
+        first = PyTuple_GetSlice(ids, pos, pos + page);
+        if (first == NULL) return NULL;
+    }
+    if (extra_key != NULL) {
+        key = PyTuple_Pack(2, extra_key, first);
+        Py_DECREF(first);
+        if (key == NULL) return NULL;
+    } else {
+        key = first;
+    }
+    child = PyDict_GetItemWithError(children, key);
+    Py_DECREF(key);
+    return child;
+}
+
+/* 1 when ids[pos:pos+n] equals the tuple `key` of length n, 0 when not, -1 on error. */
+static int range_equal(PyObject *ids, Py_ssize_t pos, PyObject *key, Py_ssize_t n) {
+    PyObject **a = &PyTuple_GET_ITEM(ids, pos), **b = &PyTuple_GET_ITEM(key, 0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (a[i] == b[i]) continue;
+        int eq = PyObject_RichCompareBool(a[i], b[i], Py_EQ);
+        if (eq <= 0) return eq;
+    }
+    return 1;
+}
+
+static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *root, *node, *ids, *extra_key, *child, *path, *mismatch = Py_None;
+    Py_ssize_t pos, end, page;
+    if (!PyArg_ParseTuple(args, "OOO!nnnO:walk", &root, &node, &PyTuple_Type, &ids, &pos, &end,
+                          &page, &extra_key))
+        return NULL;
+    if (page < 1 || pos < 0 || end > PyTuple_GET_SIZE(ids)) {
+        PyErr_SetString(PyExc_ValueError, "walk: bad page size or range");
+        return NULL;
+    }
+    path = PyList_New(0);
+    if (path == NULL) return NULL;
+    if (pos < end) {
+        if (check_node(node) < 0) goto fail;
+        child = child_at(node, ids, pos, page, node == root ? extra_key : NULL);
+        while (child != NULL) {
+            long long num_tokens;
+            PyObject *key;
+            if (check_node(child) < 0 || get_long_field(child, F_NUM_TOKENS, &num_tokens) < 0)
+                goto fail;
+            key = get_field(child, F_KEY);
+            if (key == NULL) goto fail;
+            if (pos + num_tokens > end || !PyTuple_Check(key) ||
+                PyTuple_GET_SIZE(key) != num_tokens) {
+                mismatch = child; /* the match ends inside this node: the caller splits it */
+                break;
+            }
+            int eq = range_equal(ids, pos, key, (Py_ssize_t)num_tokens);
+            if (eq < 0) goto fail;
+            if (!eq) {
+                mismatch = child;
+                break;
+            }
+            if (PyList_Append(path, child) < 0) goto fail;
+            node = child;
+            pos += (Py_ssize_t)num_tokens;
+            if (pos >= end) break;
+            child = child_at(node, ids, pos, page, NULL);
+        }
+        if (PyErr_Occurred()) goto fail;
+    }
+    return Py_BuildValue("(OnNO)", node, pos, path, mismatch);
+fail:
+    Py_DECREF(path);
+    return NULL;
+}
+
+/* -- statistics and locks --------------------------------------------------------------------- */
+
+static PyObject *stamp_hits(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *path, *now;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "O!nO:stamp_hits", &PyList_Type, &path, &count, &now)) return NULL;
+    if (count > PyList_GET_SIZE(path)) count = PyList_GET_SIZE(path);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *node = PyList_GET_ITEM(path, i);
+        long long hits;
+        if (check_node(node) < 0 || get_long_field(node, F_HIT_COUNT, &hits) < 0) return NULL;
+        if (set_long_field(node, F_HIT_COUNT, hits + 1) < 0) return NULL;
+        Py_INCREF(now);
+        set_field(node, F_LAST_ACCESS, now);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *lock_path(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *node, *root;
+    int delta;
+    long long moved = 0;
+    if (!PyArg_ParseTuple(args, "OOi:lock_path", &node, &root, &delta)) return NULL;
+    if (delta != 1 && delta != -1) {
+        PyErr_SetString(PyExc_ValueError, "lock_path: delta is 1 or -1");
+        return NULL;
+    }
+    /* checked first: a failure changes nothing */
+    for (PyObject *up = node; up != root; up = SLOT(up, F_PARENT)) {
+        long long lock_ref, num_tokens;
+        if (up == NULL || up == Py_None) {
+            PyErr_SetString(PyExc_ValueError, "lock_path: the node is not under this root");
+            return NULL;
+        }
+        if (check_node(up) < 0 || get_long_field(up, F_LOCK_REF, &lock_ref) < 0 ||
+            get_long_field(up, F_NUM_TOKENS, &num_tokens) < 0)
+            return NULL;
+        if (delta < 0 && lock_ref < 1) {
+            PyErr_SetString(PyExc_ValueError, "lock_path: a lock count would go negative");
+            return NULL;
+        }
+    }
+    for (PyObject *up = node; up != root; up = SLOT(up, F_PARENT)) {
+        long long lock_ref, num_tokens;
+        get_long_field(up, F_LOCK_REF, &lock_ref);
+        get_long_field(up, F_NUM_TOKENS, &num_tokens);
+        if (delta > 0 && lock_ref == 0) moved += num_tokens;
+        if (delta < 0 && lock_ref == 1) moved += num_tokens;
+        if (set_long_field(up, F_LOCK_REF, lock_ref + delta) < 0) return NULL;
+    }
+    return PyLong_FromLongLong(moved);
+}
+
+/* -- allocator checks ------------------------------------------------------------------------- */
+
+static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable,
+                      const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+                                          (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (view->itemsize != itemsize || view->ndim != 1) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s: a 1-D array of %zd-byte items is needed", what,
+                     itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+/* check_slots(idx int64[n], state int8[units], div, require, low, high, scratch int64[],
+ * set_to) -> (lo, hi, first_dup, first_bad). lo/hi are the extremes; when one is outside
+ * [low, high] the other two are -1 and nothing else was read. first_dup: the first position
+ * whose slot appears again later in idx; first_bad: the first position whose unit
+ * (slot // div) is FREE (require < 0) or not in state `require`. -1: none. When every check
+ * passed and set_to >= 0, each unit's state becomes set_to (a checked ownership change). */
+static PyObject *check_slots(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *idx_obj, *state_obj, *scratch_obj;
+    long long div, require, low, high, set_to = -1;
+    Py_buffer idx_b, state_b, scratch_b;
+    if (!PyArg_ParseTuple(args, "OOLLLLO|L:check_slots", &idx_obj, &state_obj, &div, &require,
+                          &low, &high, &scratch_obj, &set_to))
+        return NULL;
+    if (div < 1) {
+        PyErr_SetString(PyExc_ValueError, "check_slots: div must be >= 1");
+        return NULL;
+    }
+    if (get_buffer(idx_obj, &idx_b, 8, 0, "check_slots idx") < 0) return NULL;
+    const int64_t *idx = (const int64_t *)idx_b.buf;
+    Py_ssize_t n = idx_b.shape[0];
+    long long lo = 0, hi = -1, first_dup = -1, first_bad = -1;
+    if (n > 0) lo = hi = idx[0];
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (idx[i] < lo) lo = idx[i];
+        if (idx[i] > hi) hi = idx[i];
+    }
+    if (n == 0 || lo < low || hi > high || state_obj == Py_None) {
+        PyBuffer_Release(&idx_b);
+        return Py_BuildValue("(LLLL)", lo, hi, first_dup, first_bad);
+    }
+    if (get_buffer(state_obj, &state_b, 1, set_to >= 0, "check_slots state") < 0) {
+        PyBuffer_Release(&idx_b);
+        return NULL;
+    }
+    if (get_buffer(scratch_obj, &scratch_b, 8, 1, "check_slots scratch") < 0) {
+        PyBuffer_Release(&idx_b);
+        PyBuffer_Release(&state_b);
+        return NULL;
+    }
+    const int8_t *state = (const int8_t *)state_b.buf;
+    int64_t *scratch = (int64_t *)scratch_b.buf;
+    if (hi >= scratch_b.shape[0] || hi / div >= state_b.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "check_slots: scratch or state is too short");
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) scratch[idx[i]] = i;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (first_dup < 0 && scratch[idx[i]] != i) first_dup = i;
+            if (first_bad < 0) {
+                int8_t s = state[idx[i] / div];
+                if (require < 0 ? s == 0 : s != require) first_bad = i;
+            }
+            if (first_dup >= 0 && first_bad >= 0) break;
+        }
+        if (set_to >= 0 && first_dup < 0 && first_bad < 0) {
+            int8_t *out = (int8_t *)state_b.buf;
+            for (Py_ssize_t i = 0; i < n; i++) out[idx[i] / div] = (int8_t)set_to;
+        }
+    }
+    PyBuffer_Release(&idx_b);
+    PyBuffer_Release(&state_b);
+    PyBuffer_Release(&scratch_b);
+    if (PyErr_Occurred()) return NULL;
+    return Py_BuildValue("(LLLL)", lo, hi, first_dup, first_bad);
+}
+
+/* distinct_units(idx int64[n], div, scratch int64[], out int64[>= n]) -> k: the distinct units
+ * (slot // div) of idx written to out[:k], each at the last position it occurs (in position
+ * order): every position writes its number into its unit's scratch cell; the positions that
+ * read their own number back keep their unit (one per unit, no sort). */
+static PyObject *distinct_units(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *idx_obj, *scratch_obj, *out_obj;
+    long long div;
+    Py_buffer idx_b, scratch_b, out_b;
+    if (!PyArg_ParseTuple(args, "OLOO:distinct_units", &idx_obj, &div, &scratch_obj, &out_obj))
+        return NULL;
+    if (div < 1) {
+        PyErr_SetString(PyExc_ValueError, "distinct_units: div must be >= 1");
+        return NULL;
+    }
+    if (get_buffer(idx_obj, &idx_b, 8, 0, "distinct_units idx") < 0) return NULL;
+    if (get_buffer(scratch_obj, &scratch_b, 8, 1, "distinct_units scratch") < 0) {
+        PyBuffer_Release(&idx_b);
+        return NULL;
+    }
+    if (get_buffer(out_obj, &out_b, 8, 1, "distinct_units out") < 0) {
+        PyBuffer_Release(&idx_b);
+        PyBuffer_Release(&scratch_b);
+        return NULL;
+    }
+    const int64_t *idx = (const int64_t *)idx_b.buf;
+    int64_t *scratch = (int64_t *)scratch_b.buf, *out = (int64_t *)out_b.buf;
+    Py_ssize_t n = idx_b.shape[0], k = 0;
+    int ok = out_b.shape[0] >= n;
+    for (Py_ssize_t i = 0; ok && i < n; i++)
+        if (idx[i] < 0 || idx[i] / div >= scratch_b.shape[0]) ok = 0;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "distinct_units: an id is outside scratch, or out is short");
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) scratch[idx[i] / div] = i;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (scratch[idx[i] / div] == i) out[k++] = idx[i] / div;
+    }
+    PyBuffer_Release(&idx_b);
+    PyBuffer_Release(&scratch_b);
+    PyBuffer_Release(&out_b);
+    if (!ok) return NULL;
+    return PyLong_FromSsize_t(k);
+}
+
+/* -- token ids -------------------------------------------------------------------------------- */
+
+/* check_token_ids(ids tuple): every element an int (or has __index__, as array('q') accepts)
+ * that fits in int64; raises naming the first bad position, as the Python reference does. */
+static PyObject *check_token_ids(PyObject *Py_UNUSED(self), PyObject *ids) {
+    if (!PyTuple_Check(ids)) {
+        PyErr_SetString(PyExc_TypeError, "check_token_ids takes a tuple");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(ids);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyTuple_GET_ITEM(ids, i), *index;
+        int overflow;
+        if (PyLong_CheckExact(v)) {
+            (void)PyLong_AsLongLongAndOverflow(v, &overflow);
+            if (overflow) goto too_big;
+            continue;
+        }
+        if (!PyIndex_Check(v)) {
+            const char *name = Py_TYPE(v)->tp_name, *dot = strrchr(name, '.');
+            PyErr_Format(PyExc_TypeError, "token ids must be ints: position %zd is %R (%s)", i, v,
+                         dot ? dot + 1 : name);
+            return NULL;
+        }
+        index = PyNumber_Index(v);
+        if (index == NULL) return NULL;
+        (void)PyLong_AsLongLongAndOverflow(index, &overflow);
+        Py_DECREF(index);
+        if (overflow) goto too_big;
+        continue;
+    too_big:
+        PyErr_Format(PyExc_ValueError, "token ids must fit in int64: position %zd is %R", i, v);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* -- module ----------------------------------------------------------------------------------- */
+
+static PyMethodDef methods[] = {
+    {"bind_node_type", bind_node_type, METH_O, "Record the __slots__ offsets of a node class."},
+    {"walk", walk, METH_VARARGS, "Descend a radix tree along a key (see kvplug.speedups.walk)."},
+    {"stamp_hits", stamp_hits, METH_VARARGS, "Time and one hit for path[:count]."},
+    {"lock_path", lock_path, METH_VARARGS, "Lock or unlock the path from a node to the root."},
+    {"check_slots", check_slots, METH_VARARGS, "Range, duplicate and owner-state scan of slots."},
+    {"distinct_units", distinct_units, METH_VARARGS, "The distinct units (slot // div) of slots."},
+    {"check_token_ids", check_token_ids, METH_O, "Every token id an int that fits in int64."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvplug._speedups",
+                                    "Compiled kernels of kvplug.speedups.", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__speedups(void) { return PyModule_Create(&module); }

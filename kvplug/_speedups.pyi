@@ -1,0 +1,24 @@
+# Types of the compiled kernels (kvplug/_speedups.c); kvplug/speedups.py documents each.
+from typing import Any
+
+import numpy as np
+
+def bind_node_type(cls: type, /) -> None: ...
+def walk(
+    root: Any, node: Any, ids: tuple[int, ...], pos: int, end: int, page: int, extra_key: Any, /
+) -> tuple[Any, int, list[Any], Any]: ...
+def stamp_hits(path: list[Any], count: int, now: int, /) -> None: ...
+def lock_path(node: Any, root: Any, delta: int, /) -> int: ...
+def check_slots(
+    idx: np.ndarray,
+    state: np.ndarray | None,
+    div: int,
+    require: int,
+    low: int,
+    high: int,
+    scratch: np.ndarray,
+    set_to: int = -1,
+    /,
+) -> tuple[int, int, int, int]: ...
+def distinct_units(idx: np.ndarray, div: int, scratch: np.ndarray, out: np.ndarray, /) -> int: ...
+def check_token_ids(ids: tuple[int, ...], /) -> None: ...

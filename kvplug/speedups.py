@@ -1,0 +1,228 @@
+"""The hot-path kernels of the radix cache and the allocators' checks, compiled when possible.
+
+Each function here is the reference: plain Python that defines the behaviour. When the C
+extension ``kvplug._speedups`` was built (``pip install`` compiles it with the system's C
+compiler; a failed build is not an error), :func:`use_native` puts its versions of the same
+functions in their place. ``KVPLUG_PURE_PYTHON=1`` in the environment keeps the Python ones.
+The test suite runs the radix cache and allocator tests on both.
+
+Callers look the functions up on this module at call time (``speedups.walk(...)``), so
+switching takes effect everywhere at once. Nothing here touches a policy or an allocator: the
+kernels only walk, compare and count, and every one checks before it changes anything.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from array import array
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "NATIVE_AVAILABLE",
+    "bind_node_type",
+    "check_slots",
+    "check_token_ids",
+    "distinct_units",
+    "lock_path",
+    "native_enabled",
+    "stamp_hits",
+    "use_native",
+    "walk",
+]
+
+
+def _load_native() -> Any:
+    try:
+        from . import _speedups
+    except ImportError:  # not built (no compiler at install time): the Python versions serve
+        return None
+    return _speedups
+
+
+_native = _load_native()
+
+NATIVE_AVAILABLE = _native is not None
+_bound: list[type] = []  # the node class given to bind_node_type
+
+
+def bind_node_type(cls: type) -> None:
+    """Declare the node class the kernels walk (its fields must be ``__slots__``; one class)."""
+    if _bound and _bound[0] is not cls:
+        raise RuntimeError(f"kvplug.speedups walks {_bound[0].__name__} nodes already")
+    _bound[:] = [cls]
+    if native_enabled():
+        _native.bind_node_type(cls)
+
+
+def walk(
+    root: Any, node: Any, ids: tuple[int, ...], pos: int, end: int, page: int, extra_key: Any
+) -> tuple[Any, int, list[Any], Any]:
+    """Descend from ``node`` (whose path ends at ``pos``) along ``ids[pos:end]``.
+
+    A child is keyed by its first token (``page == 1``) or first page, under the root by
+    ``(extra_key, first)``. Returns ``(last, pos, path, mismatch)``: the last node whose whole
+    edge matched, where it ends, the nodes walked, and the child where the match ends inside
+    an edge (the caller splits it) or ``None``. Changes nothing.
+    """
+    if page < 1 or pos < 0 or end > len(ids):
+        raise ValueError("walk: bad page size or range")
+    path: list[Any] = []
+    if pos >= end:
+        return node, pos, path, None
+    first = ids[pos] if page == 1 else ids[pos : pos + page]
+    child = node.children.get((extra_key, first) if node is root else first)
+    while child is not None:
+        nxt = pos + child.num_tokens
+        if nxt > end or ids[pos:nxt] != child.key:
+            return node, pos, path, child
+        path.append(child)
+        node, pos = child, nxt
+        if pos >= end:
+            break
+        child = node.children.get(ids[pos] if page == 1 else ids[pos : pos + page])
+    return node, pos, path, None
+
+
+def stamp_hits(path: list[Any], count: int, now: int) -> None:
+    """``path[:count]`` gets the time ``now`` and one more hit each (a match's inner nodes)."""
+    for node in path[:count]:
+        node.last_access_time = now
+        node.hit_count += 1
+
+
+def lock_path(node: Any, root: Any, delta: int) -> int:
+    """Add ``delta`` (1: lock, -1: unlock) to ``lock_ref`` of every node from ``node`` up to,
+    not including, ``root``. Returns the tokens whose nodes became locked (or unlocked).
+
+    Checked first (every node is under ``root``; no count goes negative): a failure changes
+    nothing.
+    """
+    if delta not in (1, -1):
+        raise ValueError("lock_path: delta is 1 or -1")
+    up = node
+    while up is not root:
+        if up is None:
+            raise ValueError("lock_path: the node is not under this root")
+        if delta < 0 and up.lock_ref < 1:
+            raise ValueError("lock_path: a lock count would go negative")
+        up = up.parent
+    moved = 0
+    was = 0 if delta > 0 else 1
+    while node is not root:
+        if node.lock_ref == was:
+            moved += node.num_tokens
+        node.lock_ref += delta
+        node = node.parent
+    return moved
+
+
+def check_slots(
+    idx: np.ndarray,
+    state: np.ndarray | None,
+    div: int,
+    require: int,
+    low: int,
+    high: int,
+    scratch: np.ndarray,
+    set_to: int = -1,
+) -> tuple[int, int, int, int]:
+    """Range, duplicate and owner-state scan of slot ids ``idx`` (int64), in one pass.
+
+    Returns ``(lo, hi, first_dup, first_bad)``: the smallest and largest id; when either is
+    outside ``low..high`` (or ``state`` is ``None``: no ownership tracking), the other two are
+    ``-1`` and nothing else is read. ``first_dup``: the first position whose id appears again
+    later; ``first_bad``: the first position whose unit ``id // div`` is free (``require < 0``)
+    or not in state ``require``; ``-1``: none. ``scratch`` (int64, longer than the largest id)
+    is overwritten. ``set_to >= 0``: when every check passed, each unit's state becomes
+    ``set_to`` (a checked ownership change in the same call).
+    """
+    n = idx.size
+    if n == 0:
+        return 0, -1, -1, -1
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < low or hi > high or state is None:
+        return lo, hi, -1, -1
+    positions = np.arange(n)
+    scratch[idx] = positions
+    dup = scratch[idx] != positions
+    units = idx // div if div != 1 else idx
+    owners = state[units]
+    bad = owners == 0 if require < 0 else owners != require
+    first_dup = int(dup.argmax()) if dup.any() else -1
+    first_bad = int(bad.argmax()) if bad.any() else -1
+    if set_to >= 0 and first_dup < 0 and first_bad < 0:
+        state[units] = set_to
+    return lo, hi, first_dup, first_bad
+
+
+def distinct_units(idx: np.ndarray, div: int, scratch: np.ndarray, out: np.ndarray) -> int:
+    """Write the distinct units ``idx // div`` (e.g. the pages of slots) to ``out[:k]``; return
+    ``k``. Each unit is kept at the last position it occurs, in position order, without a sort:
+    every position writes its number into its unit's cell of ``scratch`` (overwritten) and the
+    positions that read their own number back keep their unit.
+    """
+    if div < 1:
+        raise ValueError("distinct_units: div must be >= 1")
+    units = idx // div if div != 1 else idx
+    if out.size < idx.size or (idx.size and (units.min() < 0 or units.max() >= scratch.size)):
+        raise ValueError("distinct_units: an id is outside scratch, or out is short")
+    positions = np.arange(idx.size)
+    scratch[units] = positions
+    kept = units[scratch[units] == positions]
+    out[: kept.size] = kept
+    return int(kept.size)
+
+
+def check_token_ids(ids: tuple[int, ...]) -> None:
+    """Every token id is an int (or has ``__index__``, as ``array('q')`` accepts) that fits in
+    int64; raises naming the first bad position. The common case is one C pass of ``array``."""
+    if not isinstance(ids, tuple):
+        raise TypeError("check_token_ids takes a tuple")
+    try:
+        array("q", ids)
+    except (TypeError, OverflowError):
+        for pos, value in enumerate(ids):
+            try:
+                number = operator.index(value)
+            except TypeError:
+                raise TypeError(
+                    f"token ids must be ints: position {pos} is {value!r} ({type(value).__name__})"
+                ) from None
+            if not -(2**63) <= number < 2**63:
+                raise ValueError(
+                    f"token ids must fit in int64: position {pos} is {value!r}"
+                ) from None
+        raise
+
+
+_PYTHON = {
+    "walk": walk,
+    "stamp_hits": stamp_hits,
+    "lock_path": lock_path,
+    "check_slots": check_slots,
+    "distinct_units": distinct_units,
+    "check_token_ids": check_token_ids,
+}
+
+
+def use_native(enabled: bool = True) -> bool:
+    """Use the compiled kernels (``True``) or the Python ones; returns whether native is on."""
+    on = enabled and _native is not None
+    source: Any = _native if on else None
+    for name, func in _PYTHON.items():
+        globals()[name] = getattr(source, name) if on else func
+    if on:
+        for cls in _bound:
+            _native.bind_node_type(cls)
+    return on
+
+
+def native_enabled() -> bool:
+    """Whether the compiled kernels are in use now."""
+    return globals()["walk"] is not _PYTHON["walk"]
+
+
+use_native(os.environ.get("KVPLUG_PURE_PYTHON", "") in ("", "0"))

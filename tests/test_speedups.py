@@ -1,0 +1,402 @@
+"""The compiled kernels (``kvplug._speedups``) against their Python reference (``kvplug.speedups``).
+
+Each kernel is run both ways on the same input and must give the same result, raise the same
+error, and leave the same state (a refused lock walk changes nothing). The radix cache and the
+allocator suites run on both kernels too (the ``both_kernels`` fixture in ``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvplug import speedups
+from kvplug.caches.radix import RadixNode
+
+KERNELS = ("python", "native")
+
+
+def run(kernel: str, name: str, *args):
+    """Call kernel ``name`` with the Python or the compiled implementation."""
+    if kernel == "native" and not speedups.NATIVE_AVAILABLE:
+        pytest.skip("kvplug._speedups was not built")
+    was = speedups.native_enabled()
+    speedups.use_native(kernel == "native")
+    try:
+        return getattr(speedups, name)(*args)
+    finally:
+        speedups.use_native(was)
+
+
+def outcome(kernel: str, name: str, *args):
+    """The result, or the exception's type and message."""
+    try:
+        return ("ok", run(kernel, name, *args))
+    except (TypeError, ValueError, AttributeError) as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def test_native_is_built_and_used_where_a_compiler_exists():
+    """``pip install`` builds the extension whenever the machine has a C compiler (a silent
+    fallback on a machine that could build it would hide a broken build)."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}) on this machine")
+    assert speedups.NATIVE_AVAILABLE
+    if os.environ.get("KVPLUG_PURE_PYTHON", "") not in ("", "0"):  # CI's pure-Python run
+        assert not speedups.native_enabled()
+        return
+    assert speedups.native_enabled()
+    from kvplug import _speedups
+
+    assert speedups.walk is _speedups.walk
+
+
+def test_use_native_switches_every_kernel():
+    if not speedups.NATIVE_AVAILABLE:
+        pytest.skip("kvplug._speedups was not built")
+    was = speedups.native_enabled()
+    try:
+        assert speedups.use_native(False) is False
+        assert not speedups.native_enabled()
+        assert speedups.check_slots.__module__ == "kvplug.speedups"
+        assert speedups.use_native(True) is True
+        assert speedups.lock_path.__module__ != "kvplug.speedups"
+    finally:
+        speedups.use_native(was)
+
+
+# -- trees -------------------------------------------------------------------------------------
+
+
+def node(key: tuple[int, ...], parent: RadixNode | None, page: int, extra_key=None) -> RadixNode:
+    """A bare node under ``parent``, keyed as the radix cache keys it."""
+    n = RadixNode(0)
+    n.key = key
+    n.num_tokens = len(key)
+    n.parent = parent
+    if parent is not None:
+        first = key[0] if page == 1 else key[:page]
+        parent.children[(extra_key, first) if parent.parent is None else first] = n
+    return n
+
+
+def tree(page: int):
+    """root -> [1,2,3,4] -> {[5,6], [7,8,9,10]}; root -> ("ns", [1,2]) -> [3,3]."""
+    root = RadixNode(0)
+    root.parent = None
+    a = node((1, 2, 3, 4), root, page)
+    b = node((5, 6), a, page)
+    c = node((7, 8, 9, 10), a, page)
+    d = node((1, 2), root, page, extra_key="ns")
+    e = node((3, 3), d, page)
+    return root, a, b, c, d, e
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_walk_full_partial_and_inside_an_edge(kernel):
+    root, a, _b, c, d, e = tree(1)
+    ids = (1, 2, 3, 4, 7, 8, 9, 10, 11)
+    assert run(kernel, "walk", root, root, ids, 0, 9, 1, None) == (c, 8, [a, c], None)
+    assert run(kernel, "walk", root, root, ids, 0, 6, 1, None) == (a, 4, [a], c)  # ends in c
+    assert run(kernel, "walk", root, a, ids, 4, 8, 1, None) == (c, 8, [c], None)  # from a node
+    assert run(kernel, "walk", root, root, ids, 0, 0, 1, None) == (root, 0, [], None)
+    # a mismatch inside an edge: 1,2,9 -> the match ends in a
+    assert run(kernel, "walk", root, root, (1, 2, 9), 0, 3, 1, None) == (root, 0, [], a)
+    # the namespace keys the root's children only
+    assert run(kernel, "walk", root, root, (1, 2, 3, 3), 0, 4, 1, "ns") == (e, 4, [d, e], None)
+    assert run(kernel, "walk", root, root, (5,), 0, 1, 1, None) == (root, 0, [], None)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_walk_by_pages(kernel):
+    root, a, b, c, _, _ = tree(2)
+    assert run(kernel, "walk", root, root, (1, 2, 3, 4, 5, 6), 0, 6, 2, None) == (
+        b,
+        6,
+        [a, b],
+        None,
+    )
+    assert run(kernel, "walk", root, root, (1, 2, 3, 9), 0, 4, 2, None) == (root, 0, [], a)
+    assert run(kernel, "walk", root, root, (1, 2, 3, 4, 7, 8, 0, 0), 0, 8, 2, None) == (
+        a,
+        4,
+        [a],
+        c,
+    )
+    # a first page no child starts with: no mismatch to split, the walk just stops
+    assert run(kernel, "walk", root, root, (1, 2, 3, 4, 7, 0), 0, 6, 2, None) == (a, 4, [a], None)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_walk_refuses_bad_arguments(kernel):
+    root, *_ = tree(1)
+    assert outcome(kernel, "walk", root, root, (1, 2), 0, 5, 1, None)[0] == "ValueError"
+    assert outcome(kernel, "walk", root, root, (1, 2), 0, 2, 0, None)[0] == "ValueError"
+
+
+def random_tree(rng: random.Random, page: int):
+    """A random radix tree over a tiny alphabet (many shared prefixes) and its key list."""
+    root = RadixNode(0)
+    root.parent = None
+    keys = []
+    for _ in range(30):
+        length = rng.randint(1, 6) * page
+        key = tuple(rng.randint(0, 2) for _ in range(length))
+        keys.append(key)
+        # insert by walking with the Python reference, splitting by hand-free construction:
+        parent, pos = root, 0
+        while True:
+            first = key[pos] if page == 1 else key[pos : pos + page]
+            ck = ("x", first) if parent is root else first
+            child = parent.children.get(ck)
+            if child is None:
+                node(key[pos:], parent, page, extra_key="x")
+                break
+            common = 0
+            while (
+                common < child.num_tokens
+                and pos + common < len(key)
+                and child.key[common] == key[pos + common]
+            ):
+                common += 1
+            common -= common % page
+            if common == child.num_tokens:
+                parent, pos = child, pos + common
+                if pos == len(key):
+                    break
+                continue
+            # split child at `common`
+            del parent.children[ck]
+            mid = node(child.key[:common], parent, page, extra_key="x")
+            child.key = child.key[common:]
+            child.num_tokens = len(child.key)
+            child.parent = mid
+            mid.children[child.key[0] if page == 1 else child.key[:page]] = child
+            if pos + common < len(key):
+                node(key[pos + common :], mid, page)
+            break
+    return root, keys
+
+
+@pytest.mark.parametrize("page", [1, 2, 4])
+def test_walk_agrees_on_random_trees(page):
+    if not speedups.NATIVE_AVAILABLE:
+        pytest.skip("kvplug._speedups was not built")
+    rng = random.Random(page)
+    for _ in range(20):
+        root, keys = random_tree(rng, page)
+        for _ in range(40):
+            ids = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 7) * page))
+            if rng.random() < 0.5 and keys:
+                base = rng.choice(keys)
+                ids = base + ids
+            end = rng.randint(0, len(ids))
+            args = (root, root, ids, 0, end, page, "x")
+            assert run("native", "walk", *args) == run("python", "walk", *args)
+
+
+# -- statistics and locks ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_stamp_hits_only_the_first_count_nodes(kernel):
+    _root, a, b, c, *_ = tree(1)
+    for n in (a, b, c):
+        n.last_access_time, n.hit_count = 1, 2
+    run(kernel, "stamp_hits", [a, c, b], 2, 9)
+    assert [(n.last_access_time, n.hit_count) for n in (a, c, b)] == [(9, 3), (9, 3), (1, 2)]
+    run(kernel, "stamp_hits", [a], 5, 10)  # a count past the end stops at the end
+    assert (a.last_access_time, a.hit_count) == (10, 4)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_lock_path_counts_the_tokens_that_change_state(kernel):
+    root, a, b, c, *_ = tree(1)
+    assert run(kernel, "lock_path", b, root, 1) == 6  # a and b become locked: 4 + 2
+    assert run(kernel, "lock_path", c, root, 1) == 4  # only c: a is locked already
+    assert (a.lock_ref, b.lock_ref, c.lock_ref) == (2, 1, 1)
+    assert run(kernel, "lock_path", b, root, -1) == 2  # b unlocked; a still held by c
+    assert run(kernel, "lock_path", c, root, -1) == 8
+    assert (a.lock_ref, b.lock_ref, c.lock_ref) == (0, 0, 0)
+    assert run(kernel, "lock_path", root, root, 1) == 0  # the root's path is empty
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_lock_path_refusals_change_nothing(kernel):
+    root, a, b, c, d, e = tree(1)
+    run(kernel, "lock_path", c, root, 1)
+    before = [(n.lock_ref) for n in (a, b, c, d, e)]
+    # unlocking b would take b below zero (a is locked through c): refused, a untouched
+    assert outcome(kernel, "lock_path", b, root, -1) == (
+        "ValueError",
+        "lock_path: a lock count would go negative",
+    )
+    # a node of another tree
+    _other_root, x, *_ = tree(1)
+    assert outcome(kernel, "lock_path", x, root, 1) == (
+        "ValueError",
+        "lock_path: the node is not under this root",
+    )
+    assert outcome(kernel, "lock_path", b, root, 2) == ("ValueError", "lock_path: delta is 1 or -1")
+    assert [(n.lock_ref) for n in (a, b, c, d, e)] == before
+    assert x.lock_ref == 0
+
+
+# -- allocator checks --------------------------------------------------------------------------
+
+
+def check(kernel: str, idx, state, div, require, low, high):
+    scratch = np.zeros(high + 2, dtype=np.int64)
+    idx = np.asarray(idx, dtype=np.int64)
+    state = None if state is None else np.asarray(state, dtype=np.int8)
+    return run(kernel, "check_slots", idx, state, div, require, low, high, scratch)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_check_slots_finds_range_duplicates_and_owner_state(kernel):
+    state = [0, 1, 1, 2, 2, 0, 1, 0, 0]  # per slot: 0 free, 1 held, 2 cached
+    assert check(kernel, [], state, 1, 1, 1, 8) == (0, -1, -1, -1)
+    assert check(kernel, [1, 2, 6], state, 1, 1, 1, 8) == (1, 6, -1, -1)
+    assert check(kernel, [1, 3, 2], state, 1, 1, 1, 8) == (1, 3, -1, 1)  # 3 is cached, not held
+    assert check(kernel, [2, 6, 2, 1], state, 1, 1, 1, 8) == (1, 6, 0, -1)  # 2 again later
+    assert check(kernel, [1, 5], state, 1, -1, 1, 8) == (1, 5, -1, 1)  # require: not free
+    assert check(kernel, [3, 4], state, 1, -1, 1, 8) == (3, 4, -1, -1)
+    # out of range: nothing else is read
+    assert check(kernel, [0, 3], state, 1, 1, 1, 8) == (0, 3, -1, -1)
+    assert check(kernel, [3, 9], state, 1, 1, 1, 8) == (3, 9, -1, -1)
+    # no ownership tracking
+    assert check(kernel, [1, 1], None, 1, 1, 1, 8) == (1, 1, -1, -1)
+    # pages: slot // div is the unit
+    assert check(kernel, [2, 3, 6, 7], [0, 1, 0, 1], 2, 1, 2, 7) == (2, 7, -1, -1)
+    assert check(kernel, [2, 4], [0, 1, 0, 1], 2, 1, 2, 7) == (2, 4, -1, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    idx=st.lists(st.integers(-2, 20), max_size=12),
+    state=st.lists(st.integers(0, 2), min_size=10, max_size=10),
+    div=st.sampled_from([1, 2]),
+    require=st.sampled_from([-1, 1, 2]),
+    tracked=st.booleans(),
+)
+def test_check_slots_agrees_on_random_input(idx, state, div, require, tracked):
+    if not speedups.NATIVE_AVAILABLE:
+        pytest.skip("kvplug._speedups was not built")
+    high = len(state) * div - 1
+    args = (idx, state if tracked else None, div, require, 1, high)
+    assert check("native", *args) == check("python", *args)
+
+
+def test_native_check_slots_refuses_wrong_buffers():
+    if not speedups.NATIVE_AVAILABLE:
+        pytest.skip("kvplug._speedups was not built")
+    from kvplug import _speedups
+
+    idx = np.array([1, 2], dtype=np.int32)  # not int64
+    scratch = np.zeros(4, dtype=np.int64)
+    state = np.zeros(4, dtype=np.int8)
+    with pytest.raises(TypeError, match="8-byte items"):
+        _speedups.check_slots(idx, state, 1, 1, 0, 3, scratch)
+    with pytest.raises(ValueError, match="too short"):
+        _speedups.check_slots(np.array([3], dtype=np.int64), state, 1, 1, 0, 9, scratch[:2])
+    with pytest.raises(ValueError, match="div"):
+        _speedups.check_slots(idx.astype(np.int64), state, 0, 1, 0, 3, scratch)
+
+
+def test_pure_python_environment_variable_keeps_the_reference_kernels():
+    code = "from kvplug import speedups; print(speedups.native_enabled())"
+    env = {**os.environ, "KVPLUG_PURE_PYTHON": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_check_slots_sets_the_state_only_when_every_check_passed(kernel):
+    scratch = np.zeros(10, dtype=np.int64)
+    state = np.array([0, 1, 1, 2, 0, 0], dtype=np.int8)
+
+    def change(ids):
+        idx = np.array(ids, dtype=np.int64)
+        return run(kernel, "check_slots", idx, state, 1, 1, 1, 5, scratch, 2)
+
+    assert change([1, 3]) == (1, 3, -1, 1)  # 3 is not held: nothing set
+    assert change([1, 2, 1]) == (1, 2, 0, -1)  # 1 twice: nothing set
+    assert change([1, 9]) == (1, 9, -1, -1)  # out of range: nothing set
+    assert state.tolist() == [0, 1, 1, 2, 0, 0]
+    assert change([2, 1]) == (1, 2, -1, -1)
+    assert state.tolist() == [0, 2, 2, 2, 0, 0]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_distinct_units_keeps_each_unit_once_in_order(kernel):
+    scratch = np.zeros(8, dtype=np.int64)
+    out = np.full(8, -7, dtype=np.int64)
+    idx = np.array([16, 17, 40, 18, 33, 31], dtype=np.int64)  # pages of 16: 1, 1, 2, 1, 2, 1
+    assert run(kernel, "distinct_units", idx, 16, scratch, out) == 2
+    assert out[:2].tolist() == [2, 1]  # each at its last position: 33 (page 2), 31 (page 1)
+    assert run(kernel, "distinct_units", idx, 1, np.zeros(41, dtype=np.int64), out) == 6
+    assert out[:6].tolist() == idx.tolist()
+    assert run(kernel, "distinct_units", idx[:0], 16, scratch, out) == 0
+    assert outcome(kernel, "distinct_units", idx, 4, scratch, out)[0] == "ValueError"  # 40 // 4
+    assert outcome(kernel, "distinct_units", idx, 16, scratch, out[:3])[0] == "ValueError"
+    assert outcome(kernel, "distinct_units", idx, 0, scratch, out)[0] == "ValueError"
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 63), max_size=20), div=st.sampled_from([1, 2, 16]))
+def test_distinct_units_agrees_on_random_input(ids, div):
+    if not speedups.NATIVE_AVAILABLE:
+        pytest.skip("kvplug._speedups was not built")
+    idx = np.array(ids, dtype=np.int64)
+    results = []
+    for kernel in KERNELS:
+        out = np.zeros(len(ids), dtype=np.int64)
+        k = run(kernel, "distinct_units", idx, div, np.zeros(64, dtype=np.int64), out)
+        results.append(out[:k].tolist())
+    assert results[0] == results[1]
+    assert sorted(results[0]) == sorted({i // div for i in ids})
+
+
+class Index:
+    """Not an int, but usable as one (as NumPy integers are)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"Index({self.value})"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_check_token_ids_names_the_first_bad_position(kernel):
+    assert run(kernel, "check_token_ids", ()) is None
+    assert (
+        run(kernel, "check_token_ids", (0, 5, 2**63 - 1, -(2**63), Index(3), np.int64(4))) is None
+    )
+    assert outcome(kernel, "check_token_ids", (1, 2.0, "x")) == (
+        "TypeError",
+        "token ids must be ints: position 1 is 2.0 (float)",
+    )
+    assert outcome(kernel, "check_token_ids", (1, 2, 2**63)) == (
+        "ValueError",
+        f"token ids must fit in int64: position 2 is {2**63}",
+    )
+    assert outcome(kernel, "check_token_ids", (Index(-(2**64)),)) == (
+        "ValueError",
+        "token ids must fit in int64: position 0 is Index(-18446744073709551616)",
+    )
+    assert outcome(kernel, "check_token_ids", [1, 2])[0] == "TypeError"  # a tuple only

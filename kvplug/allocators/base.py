@@ -32,6 +32,7 @@ from pydantic import Field
 
 from kvplug_hookspecs import EvictParams, FrozenModel
 
+from .. import speedups
 from ..pools import check_index_tensor, resolve_device
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
 # Owner of a slot (or page) in the ownership state: free, held by the caller that allocated it,
 # or cached (owned by the prefix cache).
 FREE, HELD, CACHED = 0, 1, 2
+_NO_SCRATCH = np.zeros(0, dtype=np.int64)  # check_slots' scratch when ownership is not tracked
 _STATE_NAMES = {FREE: "free", HELD: "held by a request", CACHED: "owned by the cache"}
 
 
@@ -134,11 +136,7 @@ class FreeIdStack:
     def pop(self, n: int) -> torch.Tensor:
         """Take ``n <= len(self)`` ids as a new tensor (callers check the count first)."""
         if self._ids_np is not None:
-            ids = self._ids_np[self.top : self.top + n].copy()
-            self.top += n
-            if self.state_np is not None:
-                self.state_np[ids] = HELD
-            return torch.from_numpy(ids)
+            return torch.from_numpy(self.pop_np(n))
         out = self._ids[self.top : self.top + n].clone()
         self.top += n
         if self.state is not None:
@@ -166,16 +164,35 @@ class FreeIdStack:
                 "some are freed twice"
             )
         if self._ids_np is not None:
-            ids_np = ids.numpy()
-            self._ids_np[self.top - n : self.top] = ids_np
-            if self.state_np is not None:
-                self.state_np[ids_np] = FREE
-            self.top -= n
+            self.push_np(ids.numpy())
             return
         self._ids[self.top - n : self.top] = ids
         self.top -= n
         if self.state is not None:
             self.state.index_fill_(0, ids, FREE)
+
+    def pop_np(self, n: int) -> np.ndarray:
+        """``pop`` on the host views (a CPU stack in host mode): a new NumPy array."""
+        assert self._ids_np is not None
+        ids: np.ndarray = self._ids_np[self.top : self.top + n].copy()
+        self.top += n
+        if self.state_np is not None:
+            self.state_np[ids] = HELD
+        return ids
+
+    def push_np(self, ids: np.ndarray) -> None:
+        """``push`` on the host views (a CPU stack in host mode)."""
+        assert self._ids_np is not None
+        n = ids.size
+        if n > self.top:
+            raise ValueError(
+                f"freeing {n} {self.unit}(s) but only {self.top} are allocated: "
+                "some are freed twice"
+            )
+        self._ids_np[self.top - n : self.top] = ids
+        if self.state_np is not None:
+            self.state_np[ids] = FREE
+        self.top -= n
 
     def set_state(self, ids: torch.Tensor, value: int) -> None:
         """Mark ids with an owner state (a no-op when ownership is not tracked)."""
@@ -198,6 +215,7 @@ class BaseAllocator:
     """
 
     prefer_host_path: bool = True
+    _owner_state_in_one_stack: bool = True  # False: _set_owner does more than set the state
 
     def __init__(
         self,
@@ -236,7 +254,6 @@ class BaseAllocator:
         # the NumPy check path on a CPU device (module docstring); tests switch it off to run
         # the device path on the CPU
         self._dup_scratch_np: np.ndarray | None = None
-        self._positions_np: np.ndarray | None = None
         self.use_host_path(self.prefer_host_path)
 
     # -- to implement -------------------------------------------------------------------------
@@ -259,9 +276,14 @@ class BaseAllocator:
         """The stack that tracks these (in-range) slots' owner, and their ids in it."""
         raise NotImplementedError
 
+    def _owner_stack(self) -> tuple[FreeIdStack, int]:
+        """The stack that tracks the owner of the slots, and how many slots share one unit."""
+        raise NotImplementedError
+
     def _owner_units_np(self, indices: np.ndarray) -> tuple[FreeIdStack, np.ndarray]:
         """``_owner_units`` on a NumPy view (the CPU path)."""
-        raise NotImplementedError
+        stack, div = self._owner_stack()
+        return stack, indices // div if div != 1 else indices
 
     # -- ownership -----------------------------------------------------------------------------
     def take_ownership(self, indices: torch.Tensor) -> None:
@@ -293,6 +315,9 @@ class BaseAllocator:
     def _change_owner(self, indices: torch.Tensor, old: int, new: int) -> None:
         indices = self._check_indices(indices, values=False)
         if not self.tracks_ownership or indices.numel() == 0:
+            return
+        if self._host and self._owner_state_in_one_stack:
+            self._check_values_host(indices, old, set_to=new)  # checked, then set: one call
             return
         self._check_values(indices, require=old)
         self._set_owner(indices, new)
@@ -376,11 +401,8 @@ class BaseAllocator:
         """Use the NumPy path on a CPU device (the default) or the device's torch ops (tests
         run both on the CPU to prove they agree)."""
         self._host = enabled and self.device.type == "cpu"
-        scratch, positions = self._dup_scratch, self._positions
-        if self._host and scratch is not None and positions is not None:
-            self._dup_scratch_np, self._positions_np = scratch.numpy(), positions.numpy()
-        else:
-            self._dup_scratch_np = self._positions_np = None
+        scratch = self._dup_scratch
+        self._dup_scratch_np = scratch.numpy() if self._host and scratch is not None else None
         for value in vars(self).values():
             if isinstance(value, FreeIdStack):
                 value.use_host(enabled)
@@ -426,25 +448,33 @@ class BaseAllocator:
             first_bad = int(torch.nonzero(bad)[0]) if bool(bad.any()) else None
             self._raise_ownership(indices, require, first_dup, first_bad)
 
-    def _check_values_host(self, indices: torch.Tensor, require: int | None) -> None:
-        """``_check_values`` on NumPy views of CPU tensors: the same checks and messages."""
-        idx = indices.numpy()
-        self._check_range(indices, int(idx.min()), int(idx.max()), require)
-        if not self.tracks_ownership:
-            return
-        stack, units = self._owner_units_np(idx)
-        scratch, positions = self._dup_scratch_np, self._positions_np
-        assert stack.state_np is not None and scratch is not None and positions is not None
-        state = stack.state_np[units]
-        bad = state == FREE if require is None else state != require
-        n = idx.size
-        positions = positions[:n] if n <= positions.size else np.arange(n)
-        scratch[idx] = positions
-        dup = scratch[idx] != positions
-        if (bad | dup).any():
-            first_dup = int(dup.argmax()) if dup.any() else None
-            first_bad = int(bad.argmax()) if bad.any() else None
-            self._raise_ownership(indices, require, first_dup, first_bad)
+    def _check_values_host(
+        self, indices: torch.Tensor, require: int | None, *, set_to: int = -1
+    ) -> None:
+        """``_check_values`` on NumPy views of CPU tensors, one pass (``speedups.check_slots``):
+        the same checks and messages. ``set_to >= 0``: then, in the same call, the slots' owner
+        state becomes ``set_to`` (only when every check passed)."""
+        track = self.tracks_ownership
+        stack, div = self._owner_stack()
+        scratch = self._dup_scratch_np
+        lo, hi, first_dup, first_bad = speedups.check_slots(
+            indices.numpy(),
+            stack.state_np if track else None,
+            div,
+            -1 if require is None else require,
+            self._low,
+            self._high,
+            scratch if scratch is not None else _NO_SCRATCH,
+            set_to,
+        )
+        self._check_range(indices, lo, hi, require)
+        if first_dup >= 0 or first_bad >= 0:
+            self._raise_ownership(
+                indices,
+                require,
+                first_dup if first_dup >= 0 else None,
+                first_bad if first_bad >= 0 else None,
+            )
 
     def _check_range(self, indices: torch.Tensor, lo: int, hi: int, require: int | None) -> None:
         """Raise when the smallest or largest slot is not a usable one, or (a free at page

@@ -16,6 +16,7 @@ import torch
 
 from kvplug_hookspecs import PoolGeometry
 
+from .. import speedups
 from ..pools import MHAKVPool
 from .base import AllocatorCheckOptions, BaseAllocator, FreeIdStack, check_size
 
@@ -63,6 +64,9 @@ class PagedAllocator(BaseAllocator):
             host=self._host,
         )
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        # the NumPy path's copies (a CPU device; see base.py): page offsets, pages_of's scratch
+        self._offsets_np = np.arange(page_size, dtype=np.int64)
+        self._page_owner_np = np.zeros(self.num_pages + 1, dtype=np.int64)
 
     @classmethod
     def from_geometry(
@@ -93,14 +97,14 @@ class PagedAllocator(BaseAllocator):
         num_pages = n // self.page_size
         if num_pages > len(self._stack):
             return None
-        pages = self._stack.pop(num_pages)
         if self._host:
-            return torch.from_numpy(self._slots_np(pages.numpy()))
+            return torch.from_numpy(self._slots_np(self._stack.pop_np(num_pages)))
+        pages = self._stack.pop(num_pages)
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
 
     def _slots_np(self, pages: np.ndarray) -> np.ndarray:
         """Every slot of these pages, in order (the NumPy path of a CPU device)."""
-        slots: np.ndarray = (pages[:, None] * self.page_size + self._offsets.numpy()).reshape(-1)
+        slots: np.ndarray = (pages[:, None] * self.page_size + self._offsets_np).reshape(-1)
         return slots
 
     def alloc_extend(
@@ -238,13 +242,16 @@ class PagedAllocator(BaseAllocator):
         self._stack.rollback(mark)
 
     def release(self, indices: torch.Tensor) -> None:
+        if self._host:
+            self._stack.push_np(self._pages_np(indices.numpy()))
+            return
         self._stack.push(self.pages_of(indices))
 
     def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
         return self._stack, indices // self.page_size
 
-    def _owner_units_np(self, indices: np.ndarray) -> tuple[FreeIdStack, np.ndarray]:
-        return self._stack, indices // self.page_size
+    def _owner_stack(self) -> tuple[FreeIdStack, int]:
+        return self._stack, self.page_size
 
     def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
         """The distinct pages that slots ``indices`` lie in, in O(n) and without a sort.
@@ -254,15 +261,17 @@ class PagedAllocator(BaseAllocator):
         keeps each page once (``torch.unique`` would sort: several times slower for big frees).
         """
         if self._host:
-            pages_np = indices.numpy() // self.page_size
-            order = np.arange(pages_np.size)
-            owner = self._page_owner.numpy()
-            owner[pages_np] = order
-            return torch.from_numpy(pages_np[owner[pages_np] == order])
+            return torch.from_numpy(self._pages_np(indices.numpy()))
         pages = indices // self.page_size
         positions = torch.arange(pages.numel(), device=self.device)
         self._page_owner.scatter_(0, pages, positions)
         return torch.masked_select(pages, self._page_owner.index_select(0, pages) == positions)
+
+    def _pages_np(self, indices: np.ndarray) -> np.ndarray:
+        """``pages_of`` on a NumPy view: one pass (``speedups.distinct_units``)."""
+        out = np.empty(indices.size, dtype=np.int64)
+        k = speedups.distinct_units(indices, self.page_size, self._page_owner_np, out)
+        return out[:k]
 
     def clear(self) -> None:
         """Every page free again; an open free group is dropped."""

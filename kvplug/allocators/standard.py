@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvplug_hookspecs import PoolGeometry
@@ -106,8 +105,8 @@ class StandardAllocator(BaseAllocator):
     def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
         return self._stack, indices
 
-    def _owner_units_np(self, indices: np.ndarray) -> tuple[FreeIdStack, np.ndarray]:
-        return self._stack, indices
+    def _owner_stack(self) -> tuple[FreeIdStack, int]:
+        return self._stack, 1
 
     def clear(self) -> None:
         """Every slot free again; an open free group is dropped."""

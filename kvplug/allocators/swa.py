@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from pydantic import Field, field_validator
 
@@ -281,8 +280,10 @@ class SWAAllocator(BaseAllocator):
     def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
         return self.full_allocator._owner_units(indices)
 
-    def _owner_units_np(self, indices: np.ndarray) -> tuple[FreeIdStack, np.ndarray]:
-        return self.full_allocator._owner_units_np(indices)
+    def _owner_stack(self) -> tuple[FreeIdStack, int]:
+        return self.full_allocator._owner_stack()
+
+    _owner_state_in_one_stack = False  # the window slots' owner changes too (_set_owner)
 
     def _set_owner(self, indices: torch.Tensor, state: int) -> None:
         """Both pools: the full slots and the window slots they still map to."""

@@ -25,6 +25,7 @@ from kvplug_hookspecs import (
     TokenAllocator,
 )
 
+from .. import speedups
 from ..errors import PolicyError
 from ..policies.builtin import LRUPolicy
 
@@ -74,9 +75,9 @@ def as_cache_key(key: CacheKey | Sequence[int] | torch.Tensor) -> CacheKey:
 def as_token_ids(token_ids: Any) -> tuple[int, ...]:
     """A key's token ids as a tuple (hashable, sliceable, compared in C), every element checked.
 
-    A tensor must be 1-D with an integer dtype. Any other sequence is packed into a C int64
-    array (one pass in C, no Python loop per token), which rejects a non-integer or a value
-    outside int64; only then is the sequence scanned in Python, to name the bad position.
+    A tensor must be 1-D with an integer dtype. Any other sequence is checked in one pass
+    without a Python loop per token (``speedups.check_token_ids``): a non-integer or a value
+    outside int64 is rejected, naming its position.
     """
     if isinstance(token_ids, torch.Tensor):
         dtype = token_ids.dtype
@@ -102,19 +103,7 @@ def as_token_ids(token_ids: Any) -> tuple[int, ...]:
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
         raise TypeError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
     ids = tuple(token_ids)
-    try:
-        array("q", ids)
-    except (TypeError, OverflowError):
-        for pos, value in enumerate(ids):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"token ids must be ints: position {pos} is {value!r} ({type(value).__name__})"
-                ) from None
-            if not -(2**63) <= value < 2**63:
-                raise ValueError(
-                    f"token ids must fit in int64: position {pos} is {value}"
-                ) from None
-        raise
+    speedups.check_token_ids(ids)  # one pass in C; raises naming the first bad position
     if ids is token_ids:
         _last_checked[0] = ids  # held here, so its identity cannot be reused while remembered
     return ids
@@ -187,7 +176,7 @@ def check_indices(indices: Any, length: int, device: torch.device) -> torch.Tens
         raise ValueError(f"indices has {indices.numel()} slots but the key has {length} tokens")
     if not same_device(indices.device, device):
         raise ValueError(f"indices are on {indices.device}, the allocator's pool is on {device}")
-    return indices.to(torch.int64)
+    return indices if indices.dtype == torch.int64 else indices.to(torch.int64)
 
 
 @dataclass

@@ -58,6 +58,7 @@ from kvplug_hookspecs import (
     TokenAllocator,
 )
 
+from .. import speedups
 from .common import (
     BuiltFromContext,
     CacheStats,
@@ -148,6 +149,9 @@ class RadixNode(CandidateStats):
             f"RadixNode(id={self.node_id}, tokens={self.num_tokens}, lock_ref={self.lock_ref}, "
             f"children={len(self.children)})"
         )
+
+
+speedups.bind_node_type(RadixNode)  # the compiled walk reads these nodes' slots directly
 
 
 class RadixCache(BuiltFromContext):
@@ -273,24 +277,14 @@ class RadixCache(BuiltFromContext):
         changes here (see ``_stamp``), so a failure leaves nothing to undo but the policy.
         """
         page = self.page_size
-        if node is None:
-            node = self.root
-        path: list[RadixNode] = []
-        if pos >= end:
-            return node, pos, path
-        first = ids[pos] if page == 1 else ids[pos : pos + page]
-        child = node.children.get((extra_key, first) if node is self.root else first)
-        while child is not None:
-            nxt = pos + child.num_tokens
-            if nxt > end or ids[pos:nxt] != child.key:
-                nxt = pos + common_len(child.key, ids, pos, end, page)
-                child = self._split(child, nxt - pos, ids, extra_key)
-                end = nxt  # the walk ends in this node
-            path.append(child)
-            node, pos = child, nxt
-            if pos >= end:
-                break
-            child = node.children.get(ids[pos] if page == 1 else ids[pos : pos + page])
+        node, pos, path, inside = speedups.walk(
+            self.root, self.root if node is None else node, ids, pos, end, page, extra_key
+        )
+        if inside is not None:  # the match ends inside this node: split it there
+            nxt = pos + common_len(inside.key, ids, pos, end, page)
+            node = self._split(inside, nxt - pos, ids, extra_key)
+            path.append(node)
+            pos = nxt
         if not node.path_hash and pos:  # cut by an exact eviction since it was hashed
             node.path_hash = hash((extra_key, ids[:pos]))
         return node, pos, path
@@ -330,9 +324,7 @@ class RadixCache(BuiltFromContext):
         hit_last = hit_from is not None and last.depth + last.num_tokens > hit_from
         self._touch_last(last, now, hit_last, priority)
         if hit_from == 0 and priority is None:  # a match: the common case, kept tight
-            for node in path[:-1]:
-                node.last_access_time = now
-                node.hit_count += 1
+            speedups.stamp_hits(path, len(path) - 1, now)
             return
         for node in path[:-1]:
             node.last_access_time = now
@@ -506,9 +498,8 @@ class RadixCache(BuiltFromContext):
             cached = node.path_value
             if not torch.equal(given, cached):
                 duplicates = given[given != cached]
-        taken = (
-            torch.cat((indices[pos:end], duplicates)) if duplicates.numel() else indices[pos:end]
-        )
+        new_slots = indices[pos:end]
+        taken = torch.cat((new_slots, duplicates)) if duplicates.numel() else new_slots
         take_ownership(self.allocator, taken)  # raises (nothing changed) on a slot not held
         now = self._clock + 1
         leaf: RadixNode | None = None
@@ -524,7 +515,7 @@ class RadixCache(BuiltFromContext):
                 first = ids[pos] if self.page_size == 1 else ids[pos : pos + self.page_size]
                 leaf.edge = (extra_key, first) if node is self.root else first
                 leaf.key = ids[pos:end]
-                leaf.path_value = torch.cat((node.path_value, indices[pos:end]))
+                leaf.path_value = torch.cat((node.path_value, new_slots))
                 leaf.value = leaf.path_value[pos:]
                 leaf.num_tokens = leaf.new_tokens = end - pos
                 leaf.depth, leaf.namespace = pos, extra_key
@@ -630,12 +621,7 @@ class RadixCache(BuiltFromContext):
                 self._resync_policy()
                 raise policy_error(self.policy, "inc_lock_ref", exc) from exc
         node.own_locks += 1
-        moved = 0
-        while node is not root:
-            if node.lock_ref == 0:
-                moved += node.num_tokens
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+        moved = speedups.lock_path(node, root, 1)
         self._evictable -= moved
         self._protected += moved
         return -moved
@@ -653,19 +639,15 @@ class RadixCache(BuiltFromContext):
                 f"{node!r} is not locked by this handle: dec_lock_ref without inc_lock_ref on "
                 "it (an ancestor of a locked node, or the root, cannot be unlocked)"
             )
-        root, start, moved = self.root, node, 0
+        root, start = self.root, node
         if node.lock_ref == 1 and not node.children and node is not root:
             try:
                 self.policy.add(node)  # before any count changes: nothing else to undo
             except Exception as exc:
                 self._resync_policy()
                 raise policy_error(self.policy, "dec_lock_ref", exc) from exc
+        moved = speedups.lock_path(node, root, -1)  # checked: fails before any count changes
         start.own_locks -= 1
-        while node is not root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                moved += node.num_tokens
-            node = node.parent  # type: ignore[assignment]
         self._evictable += moved
         self._protected -= moved
         return moved

@@ -117,6 +117,8 @@ _INT64_CODES = frozenset("qlbhiBHI") if array("l").itemsize == 8 else frozenset(
 
 def check_key(key: Any) -> tuple[tuple[int, ...], str | None]:
     """Validate a key before a cache changes anything: its token ids and its namespace."""
+    if type(key) is tuple:  # bare token ids, as engines pass them: no CacheKey to build
+        return as_token_ids(key), None
     key = as_cache_key(key)
     extra_key = key.extra_key
     if extra_key is not None and not isinstance(extra_key, str):

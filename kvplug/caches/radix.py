@@ -110,7 +110,8 @@ class RadixNode(CandidateStats):
     prefix that ends here or below, ``own_locks`` the locks taken *at* this node (the handles
     ``dec_lock_ref`` accepts). A freed node has ``parent is None``; ``owner`` is the tree (a
     token ``reset`` renews) it was created in. ``path_value`` holds the slots from the root to
-    its end (``value`` is its tail): a cached node's path never changes. ``depth + num_tokens``
+    its end (``value``, the view of its tail, is derived from it: a split or an exact cut then
+    slices one tensor, not two): a cached node's path never changes. ``depth + num_tokens``
     is where it ends; ``path_hash`` hashes its namespace and every token from the root to its
     end (``0`` after an exact eviction cut its tail, until a walk ends at it again): what
     ``insert(prev=...)`` checks. ``content_id`` identifies where its content starts (see
@@ -127,7 +128,6 @@ class RadixNode(CandidateStats):
         "parent",
         "path_hash",
         "path_value",
-        "value",
     )
 
     def __init__(self, now: int, priority: int = 0, owner: object = None) -> None:
@@ -137,12 +137,16 @@ class RadixNode(CandidateStats):
         self.parent: RadixNode | None = None
         self.edge: Any = None
         self.key: tuple[int, ...] = ()
-        self.value: torch.Tensor = _NO_SLOTS
         self.path_value: torch.Tensor = _NO_SLOTS
         self.path_hash = 0
         self.num_tokens = 0
         self.lock_ref = 0
         self.own_locks = 0
+
+    @property
+    def value(self) -> torch.Tensor:
+        """This node's own slots: the tail of ``path_value`` after ``depth``."""
+        return self.path_value[self.depth :]
 
     def __repr__(self) -> str:
         return (
@@ -202,7 +206,7 @@ class RadixCache(BuiltFromContext):
     def _new_tree(self) -> None:
         self._tree = object()  # handles of an older tree (before reset) fail the owner check
         self.root = RadixNode(self._clock, priority=0, owner=self._tree)
-        self.root.value = self.root.path_value = self._empty
+        self.root.path_value = self._empty
         self.root.lock_ref = 1  # never evicted, never in the policy
         self._hashes = None  # page hashes for the KV events, only when someone observes them
         if self.events is not None:
@@ -244,10 +248,10 @@ class RadixCache(BuiltFromContext):
         head.content_id = child.content_id  # the head starts where the child started
         head.path_hash = hash((extra_key, ids[: child.depth + length]))
         head.parent, head.edge = parent, child.edge
-        head.key, head.value, head.num_tokens = child.key[:length], child.value[:length], length
+        head.key, head.num_tokens = child.key[:length], length
         head.path_value = child.path_value[: child.depth + length]
         parent.children[head.edge] = head
-        child.key, child.value = child.key[length:], child.value[length:]
+        child.key = child.key[length:]
         child.num_tokens -= length
         child.depth += length
         child.content_id = _start_id(child.namespace, child.depth, child.key)
@@ -516,7 +520,6 @@ class RadixCache(BuiltFromContext):
                 leaf.edge = (extra_key, first) if node is self.root else first
                 leaf.key = ids[pos:end]
                 leaf.path_value = torch.cat((node.path_value, new_slots))
-                leaf.value = leaf.path_value[pos:]
                 leaf.num_tokens = leaf.new_tokens = end - pos
                 leaf.depth, leaf.namespace = pos, extra_key
                 leaf.content_id = _start_id(extra_key, pos, leaf.key)
@@ -684,7 +687,7 @@ class RadixCache(BuiltFromContext):
         freed = 0
         victims: list[torch.Tensor] = []
         removed: list[tuple[RadixNode, RadixNode]] = []  # unlinked leaves and their parents
-        cut: tuple[RadixNode, tuple[int, ...], torch.Tensor, torch.Tensor, int] | None = None
+        cut: tuple[RadixNode, tuple[int, ...], torch.Tensor, int] | None = None
         in_free = False
         try:
             while freed < need:
@@ -695,10 +698,11 @@ class RadixCache(BuiltFromContext):
                 remaining = -(-(need - freed) // page) * page  # still needed, in whole pages
                 if self._exact and remaining < leaf.num_tokens:
                     keep = leaf.num_tokens - remaining
-                    cut = (leaf, leaf.key, leaf.value, leaf.path_value, leaf.path_hash)
-                    victims.append(leaf.value[keep:])
-                    leaf.key, leaf.value, leaf.num_tokens = leaf.key[:keep], leaf.value[:keep], keep
-                    leaf.path_value = leaf.path_value[: leaf.depth + keep]
+                    cut = (leaf, leaf.key, leaf.path_value, leaf.path_hash)
+                    kept = leaf.depth + keep
+                    victims.append(leaf.path_value[kept:])
+                    leaf.key, leaf.num_tokens = leaf.key[:keep], keep
+                    leaf.path_value = leaf.path_value[:kept]
                     leaf.path_hash = 0  # unknown until a walk ends at it (no path walk here)
                     policy.add(leaf)
                     freed += remaining
@@ -719,15 +723,15 @@ class RadixCache(BuiltFromContext):
                 leaf.parent = parent
                 parent.children[leaf.edge] = leaf
             if cut is not None:
-                leaf, key, value, path_value, path_hash = cut
-                leaf.key, leaf.value, leaf.num_tokens = key, value, len(key)
+                leaf, key, path_value, path_hash = cut
+                leaf.key, leaf.num_tokens = key, len(key)
                 leaf.path_value, leaf.path_hash = path_value, path_hash
             self._resync_policy()
             if in_free:
                 raise
             raise policy_error(self.policy, "evict", exc) from exc
         for leaf, _ in removed:
-            leaf.value = leaf.path_value = _NO_SLOTS
+            leaf.path_value = _NO_SLOTS
         self._evictable -= freed
         stats = self.stats
         stats.evictions += 1

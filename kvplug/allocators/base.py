@@ -76,6 +76,8 @@ class AllocatorCheckOptions(FrozenModel):
 
 def check_size(value: Any, what: str) -> int:
     """A non-negative integer count (``alloc(-1)``, ``shortfall(2.5)`` are errors, not clamps)."""
+    if type(value) is int and value >= 0:  # the common case, without operator.index
+        return value
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an int, got bool")
     try:
@@ -479,6 +481,18 @@ class BaseAllocator:
     def _check_range(self, indices: torch.Tensor, lo: int, hi: int, require: int | None) -> None:
         """Raise when the smallest or largest slot is not a usable one, or (a free at page
         size 1) when more slots are freed than are allocated at all."""
+        if lo < self._low or hi > self._high:
+            self._raise_range(lo, hi)
+        if require is None and self.page_size == 1:
+            held = self.size - self.available_size()
+            if indices.numel() > held:  # more than is held at all
+                raise ValueError(
+                    f"freeing {indices.numel()} slot(s) but only {held} are allocated: "
+                    "some are freed twice"
+                )
+
+    def _raise_range(self, lo: int, hi: int) -> None:
+        """Name the smallest or largest slot that is not a usable one."""
         for value in (lo, hi):
             if 0 <= value < self._low:
                 raise ValueError(
@@ -488,13 +502,6 @@ class BaseAllocator:
             if not self._low <= value <= self._high:
                 raise ValueError(
                     f"slot {value} out of range: valid slots are {self._low}..{self._high}"
-                )
-        if require is None and self.page_size == 1:
-            held = self.size - self.available_size()
-            if indices.numel() > held:  # more than is held at all
-                raise ValueError(
-                    f"freeing {indices.numel()} slot(s) but only {held} are allocated: "
-                    "some are freed twice"
                 )
 
     def _raise_ownership(

@@ -167,6 +167,14 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 def check_indices(indices: Any, length: int, device: torch.device) -> torch.Tensor:
     """Validate KV slot indices given with a key: a 1-D integer tensor of ``length`` slots on
     ``device``. Returns them as int64 (no copy when they already are)."""
+    if (  # the common case: what the allocator handed out, in one test
+        type(indices) is torch.Tensor
+        and indices.dtype == torch.int64
+        and indices.dim() == 1
+        and indices.numel() == length
+        and indices.device == device
+    ):
+        return indices
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor of slot ids, got {type(indices).__name__}")
     if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype == torch.bool:

@@ -351,6 +351,38 @@ static PyObject *distinct_units(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyLong_FromSsize_t(k);
 }
 
+/* expand_units(units int64[n], div, out int64[>= n * div]): out[i * div + j] = units[i] * div + j,
+ * the slots of pages `units`, in order. */
+static PyObject *expand_units(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *units_obj, *out_obj;
+    long long div;
+    Py_buffer units_b, out_b;
+    if (!PyArg_ParseTuple(args, "OLO:expand_units", &units_obj, &div, &out_obj)) return NULL;
+    if (div < 1) {
+        PyErr_SetString(PyExc_ValueError, "expand_units: div must be >= 1");
+        return NULL;
+    }
+    if (get_buffer(units_obj, &units_b, 8, 0, "expand_units units") < 0) return NULL;
+    if (get_buffer(out_obj, &out_b, 8, 1, "expand_units out") < 0) {
+        PyBuffer_Release(&units_b);
+        return NULL;
+    }
+    const int64_t *units = (const int64_t *)units_b.buf;
+    int64_t *out = (int64_t *)out_b.buf;
+    Py_ssize_t n = units_b.shape[0];
+    int ok = out_b.shape[0] >= n * div;
+    if (ok)
+        for (Py_ssize_t i = 0; i < n; i++)
+            for (long long j = 0; j < div; j++) out[i * div + j] = units[i] * div + j;
+    PyBuffer_Release(&units_b);
+    PyBuffer_Release(&out_b);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "expand_units: out is short");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* -- token ids -------------------------------------------------------------------------------- */
 
 /* check_token_ids(ids tuple): every element an int (or has __index__, as array('q') accepts)
@@ -397,6 +429,7 @@ static PyMethodDef methods[] = {
     {"lock_path", lock_path, METH_VARARGS, "Lock or unlock the path from a node to the root."},
     {"check_slots", check_slots, METH_VARARGS, "Range, duplicate and owner-state scan of slots."},
     {"distinct_units", distinct_units, METH_VARARGS, "The distinct units (slot // div) of slots."},
+    {"expand_units", expand_units, METH_VARARGS, "The slots of pages, in order."},
     {"check_token_ids", check_token_ids, METH_O, "Every token id an int that fits in int64."},
     {NULL, NULL, 0, NULL},
 };

@@ -26,6 +26,7 @@ __all__ = [
     "check_slots",
     "check_token_ids",
     "distinct_units",
+    "expand_units",
     "lock_path",
     "native_enabled",
     "stamp_hits",
@@ -176,6 +177,17 @@ def distinct_units(idx: np.ndarray, div: int, scratch: np.ndarray, out: np.ndarr
     return int(kept.size)
 
 
+def expand_units(units: np.ndarray, div: int, out: np.ndarray) -> None:
+    """The slots of units (pages of ``div`` slots), in order: ``out[i * div + j] = units[i] *
+    div + j`` (``out`` holds at least ``len(units) * div``)."""
+    if div < 1:
+        raise ValueError("expand_units: div must be >= 1")
+    n = units.size * div
+    if out.size < n:
+        raise ValueError("expand_units: out is short")
+    out[:n] = (units[:, None] * div + np.arange(div)).reshape(-1)
+
+
 def check_token_ids(ids: tuple[int, ...]) -> None:
     """Every token id is an int (or has ``__index__``, as ``array('q')`` accepts) that fits in
     int64; raises naming the first bad position. The common case is one C pass of ``array``."""
@@ -204,6 +216,7 @@ _PYTHON = {
     "lock_path": lock_path,
     "check_slots": check_slots,
     "distinct_units": distinct_units,
+    "expand_units": expand_units,
     "check_token_ids": check_token_ids,
 }
 

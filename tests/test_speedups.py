@@ -400,3 +400,15 @@ def test_check_token_ids_names_the_first_bad_position(kernel):
         "token ids must fit in int64: position 0 is Index(-18446744073709551616)",
     )
     assert outcome(kernel, "check_token_ids", [1, 2])[0] == "TypeError"  # a tuple only
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_expand_units_lists_every_slot_of_each_page(kernel):
+    out = np.full(7, -1, dtype=np.int64)
+    run(kernel, "expand_units", np.array([3, 1], dtype=np.int64), 3, out)
+    assert out.tolist() == [9, 10, 11, 3, 4, 5, -1]
+    run(kernel, "expand_units", np.array([], dtype=np.int64), 3, out)
+    assert outcome(kernel, "expand_units", np.array([1, 2, 3], dtype=np.int64), 3, out)[0] == (
+        "ValueError"
+    )
+    assert outcome(kernel, "expand_units", np.array([1], dtype=np.int64), 0, out)[0] == "ValueError"

@@ -64,8 +64,7 @@ class PagedAllocator(BaseAllocator):
             host=self._host,
         )
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
-        # the NumPy path's copies (a CPU device; see base.py): page offsets, pages_of's scratch
-        self._offsets_np = np.arange(page_size, dtype=np.int64)
+        # the NumPy path's scratch for pages_of (a CPU device; see base.py)
         self._page_owner_np = np.zeros(self.num_pages + 1, dtype=np.int64)
 
     @classmethod
@@ -104,7 +103,8 @@ class PagedAllocator(BaseAllocator):
 
     def _slots_np(self, pages: np.ndarray) -> np.ndarray:
         """Every slot of these pages, in order (the NumPy path of a CPU device)."""
-        slots: np.ndarray = (pages[:, None] * self.page_size + self._offsets_np).reshape(-1)
+        slots = np.empty(pages.size * self.page_size, dtype=np.int64)
+        speedups.expand_units(pages, self.page_size, slots)
         return slots
 
     def alloc_extend(

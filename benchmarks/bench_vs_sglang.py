@@ -8,18 +8,21 @@ system prompt's first ``r ~ U[64, 512]`` tokens plus ``u ~ U[16, 256]`` fresh un
 prefix, lock it, evict the allocator's shortfall, allocate the rest (whole pages), insert the
 whole key with its slots, free the unaligned tail, unlock.
 
-Three caches serve the identical sequence (the printed digest covers it), each over its own
+The caches serve the identical sequence (the printed digest covers it), each over its own
 allocator on CPU:
 
 * ``kvplug``: ``RadixCache`` over kvplug's ``standard``/``paged`` allocator, default options
   (every check on), ``evict_from_tree_cache`` for the shortfall, inserting with ``prev=match``
-  (when the cache offers it) as SGLang inserts with its previous prefix;
+  (when the cache offers it) as SGLang inserts with its previous prefix; as installed, i.e. on
+  the compiled kernels when pip could build them;
+* ``kvplug-pure``: the same on the pure-Python kernels (``kvplug.speedups.use_native(False)``),
+  what a machine without a C compiler runs;
 * ``sglang-py``: SGLang's Python ``RadixCache`` over SGLang's ``TokenToKVPoolAllocator`` /
   ``PagedTokenToKVPoolAllocator``;
 * ``sglang-rust``: SGLang's ``UnifiedRadixCache`` (full-attention component) on its Rust
   ``TreeCore``, the 0.5.23 default, inserting with ``prev_prefix_len`` as its scheduler does.
 
-Repetitions interleave the three (the order rotates), each on a fresh cache. Reported: the
+Repetitions interleave them (the order rotates), each on a fresh cache. Reported: the
 median requests/s of each, the median and spread (min-max) of the per-repetition ratio
 kvplug / other, and each cache's hit tokens (summed matched prefix lengths).
 
@@ -231,8 +234,21 @@ def serve_sglang_rust(requests: list[list[int]], page: int, policy: str) -> tupl
     return clock() - start, hit
 
 
+def serve_kvplug_pure(requests: list[list[int]], page: int, policy: str) -> tuple[float, int]:
+    """``serve_kvplug`` on the pure-Python kernels (what a machine without a C compiler runs)."""
+    from kvplug import speedups
+
+    was = speedups.native_enabled()
+    speedups.use_native(False)
+    try:
+        return serve_kvplug(requests, page, policy)
+    finally:
+        speedups.use_native(was)
+
+
 SERVERS: dict[str, Callable[[list[list[int]], int, str], tuple[float, int]]] = {
     "kvplug": serve_kvplug,
+    "kvplug-pure": serve_kvplug_pure,
     "sglang-py": serve_sglang_py,
     "sglang-rust": serve_sglang_rust,
 }

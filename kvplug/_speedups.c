@@ -307,6 +307,81 @@ static PyObject *check_slots(PyObject *Py_UNUSED(self), PyObject *args) {
     return Py_BuildValue("(LLLL)", lo, hi, first_dup, first_bad);
 }
 
+/* release_slots(idx int64[n], state int8[] | None, div, low, high, scratch int64[],
+ * unit_scratch int64[], units_out int64[], ids int64[], top) -> (lo, hi, first_dup, first_bad, k):
+ * a checked free into a free-id stack, in one call. The checks of check_slots with require = not
+ * FREE; when all pass, the distinct units (slot // div; every slot when div == 1) are counted
+ * (k) and, when k <= top, written to ids[top - k:top] and marked FREE in state. The caller moves
+ * its top down by k. Any failed check, or k > top, changes nothing. */
+static PyObject *release_slots(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *idx_obj, *state_obj, *scratch_obj, *unit_scratch_obj, *units_obj, *ids_obj;
+    long long div, low, high, top, lo = 0, hi = -1, first_dup = -1, first_bad = -1, k = 0;
+    Py_buffer b[6];
+    int got = 0, ok = 1;
+    if (!PyArg_ParseTuple(args, "OOLLLOOOOL:release_slots", &idx_obj, &state_obj, &div, &low,
+                          &high, &scratch_obj, &unit_scratch_obj, &units_obj, &ids_obj, &top))
+        return NULL;
+    if (div < 1 || top < 0) {
+        PyErr_SetString(PyExc_ValueError, "release_slots: div must be >= 1 and top >= 0");
+        return NULL;
+    }
+    PyObject *objs[6] = {idx_obj, state_obj, scratch_obj, unit_scratch_obj, units_obj, ids_obj};
+    const Py_ssize_t sizes[6] = {8, 1, 8, 8, 8, 8};
+    const int writable[6] = {0, 1, 1, 1, 1, 1};
+    for (; got < 6; got++) {
+        if (got == 1 && state_obj == Py_None) {
+            b[got].obj = NULL;
+            continue;
+        }
+        if (get_buffer(objs[got], &b[got], sizes[got], writable[got], "release_slots") < 0) break;
+    }
+    if (got < 6) goto done;
+    const int64_t *idx = (const int64_t *)b[0].buf;
+    int8_t *state = state_obj == Py_None ? NULL : (int8_t *)b[1].buf;
+    int64_t *scratch = (int64_t *)b[2].buf, *unit_scratch = (int64_t *)b[3].buf;
+    int64_t *units = (int64_t *)b[4].buf, *ids = (int64_t *)b[5].buf;
+    Py_ssize_t n = b[0].shape[0];
+    if (n > 0) lo = hi = idx[0];
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (idx[i] < lo) lo = idx[i];
+        if (idx[i] > hi) hi = idx[i];
+    }
+    if (n == 0 || lo < low || hi > high) goto done; /* nothing read or changed */
+    if (top > b[5].shape[0] || (state && (hi >= b[2].shape[0] || hi / div >= b[1].shape[0])) ||
+        (div > 1 && (hi / div >= b[3].shape[0] || b[4].shape[0] < n))) {
+        PyErr_SetString(PyExc_ValueError, "release_slots: a buffer is too short");
+        ok = 0;
+        goto done;
+    }
+    if (state) {
+        for (Py_ssize_t i = 0; i < n; i++) scratch[idx[i]] = i;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (first_dup < 0 && scratch[idx[i]] != i) first_dup = i;
+            if (first_bad < 0 && state[idx[i] / div] == 0) first_bad = i;
+            if (first_dup >= 0 && first_bad >= 0) break;
+        }
+        if (first_dup >= 0 || first_bad >= 0) goto done;
+    }
+    if (div == 1) {
+        k = n;
+        if (k > top) goto done;
+        for (Py_ssize_t i = 0; i < n; i++) ids[top - k + i] = idx[i];
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) unit_scratch[idx[i] / div] = i;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (unit_scratch[idx[i] / div] == i) units[k++] = idx[i] / div;
+        if (k > top) goto done;
+        for (long long i = 0; i < k; i++) ids[top - k + i] = units[i];
+    }
+    if (state)
+        for (long long i = 0; i < k; i++) state[ids[top - k + i]] = 0;
+done:
+    for (int i = 0; i < got; i++)
+        if (b[i].obj != NULL) PyBuffer_Release(&b[i]);
+    if (!ok || PyErr_Occurred()) return NULL;
+    return Py_BuildValue("(LLLLL)", lo, hi, first_dup, first_bad, k);
+}
+
 /* distinct_units(idx int64[n], div, scratch int64[], out int64[>= n]) -> k: the distinct units
  * (slot // div) of idx written to out[:k], each at the last position it occurs (in position
  * order): every position writes its number into its unit's scratch cell; the positions that
@@ -428,6 +503,7 @@ static PyMethodDef methods[] = {
     {"stamp_hits", stamp_hits, METH_VARARGS, "Time and one hit for path[:count]."},
     {"lock_path", lock_path, METH_VARARGS, "Lock or unlock the path from a node to the root."},
     {"check_slots", check_slots, METH_VARARGS, "Range, duplicate and owner-state scan of slots."},
+    {"release_slots", release_slots, METH_VARARGS, "A checked free into a free-id stack."},
     {"distinct_units", distinct_units, METH_VARARGS, "The distinct units (slot // div) of slots."},
     {"expand_units", expand_units, METH_VARARGS, "The slots of pages, in order."},
     {"check_token_ids", check_token_ids, METH_O, "Every token id an int that fits in int64."},

@@ -20,6 +20,19 @@ def check_slots(
     set_to: int = -1,
     /,
 ) -> tuple[int, int, int, int]: ...
+def release_slots(
+    idx: np.ndarray,
+    state: np.ndarray | None,
+    div: int,
+    low: int,
+    high: int,
+    scratch: np.ndarray,
+    unit_scratch: np.ndarray,
+    units_out: np.ndarray,
+    ids: np.ndarray,
+    top: int,
+    /,
+) -> tuple[int, int, int, int, int]: ...
 def distinct_units(idx: np.ndarray, div: int, scratch: np.ndarray, out: np.ndarray, /) -> int: ...
 def expand_units(units: np.ndarray, div: int, out: np.ndarray, /) -> None: ...
 def check_token_ids(ids: tuple[int, ...], /) -> None: ...

@@ -29,6 +29,7 @@ __all__ = [
     "expand_units",
     "lock_path",
     "native_enabled",
+    "release_slots",
     "stamp_hits",
     "use_native",
     "walk",
@@ -159,6 +160,44 @@ def check_slots(
     return lo, hi, first_dup, first_bad
 
 
+def release_slots(
+    idx: np.ndarray,
+    state: np.ndarray | None,
+    div: int,
+    low: int,
+    high: int,
+    scratch: np.ndarray,
+    unit_scratch: np.ndarray,
+    units_out: np.ndarray,
+    ids: np.ndarray,
+    top: int,
+) -> tuple[int, int, int, int, int]:
+    """A checked free of slots ``idx`` into a free-id stack (``ids``, its top ``top``), in one call.
+
+    Returns ``(lo, hi, first_dup, first_bad, k)``. The checks are ``check_slots``'s with
+    "not free" required (``state`` ``None``: range only). When every check passes, the ``k``
+    distinct units ``idx // div`` (every slot, duplicates too, when ``div == 1``; each page once
+    otherwise, via ``unit_scratch`` and ``units_out``) go to ``ids[top - k:top]`` and are marked
+    free in ``state``, if ``k <= top``; the caller lowers its top by ``k``. A failed check or
+    ``k > top`` changes nothing.
+    """
+    if div < 1 or top < 0:
+        raise ValueError("release_slots: div must be >= 1 and top >= 0")
+    lo, hi, first_dup, first_bad = check_slots(idx, state, div, -1, low, high, scratch)
+    if idx.size == 0 or lo < low or hi > high or first_dup >= 0 or first_bad >= 0:
+        return lo, hi, first_dup, first_bad, 0
+    if div == 1:
+        units = idx
+    else:
+        units = units_out[: distinct_units(idx, div, unit_scratch, units_out)]
+    k = int(units.size)
+    if k <= top:
+        ids[top - k : top] = units
+        if state is not None:
+            state[units] = 0
+    return lo, hi, first_dup, first_bad, k
+
+
 def distinct_units(idx: np.ndarray, div: int, scratch: np.ndarray, out: np.ndarray) -> int:
     """Write the distinct units ``idx // div`` (e.g. the pages of slots) to ``out[:k]``; return
     ``k``. Each unit is kept at the last position it occurs, in position order, without a sort:
@@ -216,6 +255,7 @@ _PYTHON = {
     "lock_path": lock_path,
     "check_slots": check_slots,
     "distinct_units": distinct_units,
+    "release_slots": release_slots,
     "expand_units": expand_units,
     "check_token_ids": check_token_ids,
 }

@@ -412,3 +412,69 @@ def test_expand_units_lists_every_slot_of_each_page(kernel):
         "ValueError"
     )
     assert outcome(kernel, "expand_units", np.array([1], dtype=np.int64), 0, out)[0] == "ValueError"
+
+
+def release(kernel: str, idx, state, div: int, ids, top: int):
+    """release_slots on fresh scratch; returns its result, the stack ids and the state after."""
+    idx = np.asarray(idx, dtype=np.int64)
+    ids = np.asarray(ids, dtype=np.int64).copy()
+    state = None if state is None else np.asarray(state, dtype=np.int8).copy()
+    high = 15
+    result = run(
+        kernel,
+        "release_slots",
+        idx,
+        state,
+        div,
+        div,
+        high,
+        np.zeros(high + 1, dtype=np.int64),
+        np.zeros(high // div + 1, dtype=np.int64),
+        np.zeros(max(idx.size, 1), dtype=np.int64),
+        ids,
+        top,
+    )
+    return result, ids.tolist(), None if state is None else state.tolist()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_release_slots_pushes_each_page_once_after_the_checks(kernel):
+    # pages of 4 slots; pages 1..3; pages 2 and 3 are held, the stack [1 | 3 2 ...] has top 2
+    state = [0, 0, 1, 1]
+    ids = [3, 2, 1]
+    # a whole page and part of another, each page once, in last-occurrence order
+    assert release(kernel, [8, 9, 12, 10], state, 4, ids, 2) == (
+        (8, 12, -1, -1, 2),
+        [3, 2, 1],  # ids[0:2] = pages 3, 2
+        [0, 0, 0, 0],
+    )
+    # a free page (1): refused, nothing changes
+    assert release(kernel, [8, 4], state, 4, ids, 2) == ((4, 8, -1, 1, 0), [3, 2, 1], state)
+    # a slot twice: refused
+    assert release(kernel, [9, 9], state, 4, ids, 2) == ((9, 9, 0, -1, 0), [3, 2, 1], state)
+    # out of range (slot 3 is in the padding page): nothing read
+    assert release(kernel, [3, 8], state, 4, ids, 2) == ((3, 8, -1, -1, 0), [3, 2, 1], state)
+    # untracked, more pages than are out: k > top, nothing changes
+    assert release(kernel, [4, 8, 12], None, 4, ids, 2) == ((4, 12, -1, -1, 3), [3, 2, 1], None)
+    # page size 1: every slot, in order
+    assert release(kernel, [5, 7], [0] * 5 + [1, 0, 1], 1, [9, 9, 9], 3) == (
+        (5, 7, -1, -1, 2),
+        [9, 5, 7],
+        [0] * 8,
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    idx=st.lists(st.integers(0, 17), max_size=10),
+    state=st.lists(st.integers(0, 2), min_size=16, max_size=16),
+    div=st.sampled_from([1, 4]),
+    top=st.integers(0, 16),
+    tracked=st.booleans(),
+)
+def test_release_slots_agrees_on_random_input(idx, state, div, top, tracked):
+    if not speedups.NATIVE_AVAILABLE:
+        pytest.skip("kvplug._speedups was not built")
+    ids = list(range(100, 116))
+    args = (idx, state if tracked else None, div, ids, top)
+    assert release("native", *args) == release("python", *args)

@@ -217,7 +217,10 @@ class BaseAllocator:
     """
 
     prefer_host_path: bool = True
-    _owner_state_in_one_stack: bool = True  # False: _set_owner does more than set the state
+    # One FreeIdStack holds the free ids and the owner state of every slot (standard, paged):
+    # then, on the NumPy path, a free and an ownership change are each one kernel call.
+    # False where _set_owner and release do more (swa: the window pool too).
+    _one_stack: bool = True
 
     def __init__(
         self,
@@ -256,6 +259,7 @@ class BaseAllocator:
         # the NumPy check path on a CPU device (module docstring); tests switch it off to run
         # the device path on the CPU
         self._dup_scratch_np: np.ndarray | None = None
+        self._unit_scratch_np = _NO_SCRATCH  # a page's cell per page (paged sets it)
         self.use_host_path(self.prefer_host_path)
 
     # -- to implement -------------------------------------------------------------------------
@@ -318,7 +322,7 @@ class BaseAllocator:
         indices = self._check_indices(indices, values=False)
         if not self.tracks_ownership or indices.numel() == 0:
             return
-        if self._host and self._owner_state_in_one_stack:
+        if self._host and self._one_stack:
             self._check_values_host(indices, old, set_to=new)  # checked, then set: one call
             return
         self._check_values(indices, require=old)
@@ -336,6 +340,9 @@ class BaseAllocator:
     # -- freeing ------------------------------------------------------------------------------
     def free(self, indices: torch.Tensor) -> None:
         """Return slots to the allocator (deferred to ``free_group_end`` inside a free group)."""
+        if self._host and self._one_stack and self._free_group is None:
+            self._free_host(indices)
+            return
         indices = self._check_indices(indices, values=self._free_group is None or self.debug_checks)
         if indices.numel() == 0:
             return
@@ -343,6 +350,52 @@ class BaseAllocator:
             self._free_group.append(indices)
         else:
             self.release(indices)
+
+    def _free_host(self, indices: torch.Tensor) -> None:
+        """``free`` on the NumPy path of a one-stack allocator: the range and ownership checks,
+        the distinct pages and the push in one call (``speedups.release_slots``); the same
+        checks, errors and result as ``_check_values`` + ``release``."""
+        indices = self._check_indices(indices, values=False)
+        n = indices.numel()
+        stack, div = self._owner_stack()
+        if (
+            n == 0
+            or not (self.tracks_ownership or self.check_bounds)
+            or (div == 1 and n > stack.top)
+        ):
+            self._check_values(indices)  # none, or the page-1 count error first, as before
+            if n:
+                self.release(indices)
+            return
+        assert stack._ids_np is not None
+        scratch = self._dup_scratch_np
+        lo, hi, first_dup, first_bad, k = speedups.release_slots(
+            indices.numpy(),
+            stack.state_np if self.tracks_ownership else None,
+            div,
+            self._low,
+            self._high,
+            scratch if scratch is not None else _NO_SCRATCH,
+            self._unit_scratch_np,
+            np.empty(n, dtype=np.int64) if div > 1 else _NO_SCRATCH,
+            stack._ids_np,
+            stack.top,
+        )
+        if lo < self._low or hi > self._high:
+            self._raise_range(lo, hi)
+        if first_dup >= 0 or first_bad >= 0:
+            self._raise_ownership(
+                indices,
+                None,
+                first_dup if first_dup >= 0 else None,
+                first_bad if first_bad >= 0 else None,
+            )
+        if k > stack.top:
+            raise ValueError(
+                f"freeing {k} {stack.unit}(s) but only {stack.top} are allocated: "
+                "some are freed twice"
+            )
+        stack.top -= k
 
     def free_group_begin(self) -> None:
         """Start collecting frees; ``free_group_end`` releases them with one call."""

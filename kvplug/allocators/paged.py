@@ -64,8 +64,8 @@ class PagedAllocator(BaseAllocator):
             host=self._host,
         )
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
-        # the NumPy path's scratch for pages_of (a CPU device; see base.py)
-        self._page_owner_np = np.zeros(self.num_pages + 1, dtype=np.int64)
+        # the NumPy path's scratch for distinct pages (a CPU device; see base.py)
+        self._unit_scratch_np = np.zeros(self.num_pages + 1, dtype=np.int64)
 
     @classmethod
     def from_geometry(
@@ -270,7 +270,7 @@ class PagedAllocator(BaseAllocator):
     def _pages_np(self, indices: np.ndarray) -> np.ndarray:
         """``pages_of`` on a NumPy view: one pass (``speedups.distinct_units``)."""
         out = np.empty(indices.size, dtype=np.int64)
-        k = speedups.distinct_units(indices, self.page_size, self._page_owner_np, out)
+        k = speedups.distinct_units(indices, self.page_size, self._unit_scratch_np, out)
         return out[:k]
 
     def clear(self) -> None:

@@ -283,7 +283,7 @@ class SWAAllocator(BaseAllocator):
     def _owner_stack(self) -> tuple[FreeIdStack, int]:
         return self.full_allocator._owner_stack()
 
-    _owner_state_in_one_stack = False  # the window slots' owner changes too (_set_owner)
+    _one_stack = False  # the window pool's slots are freed and owned too (release, _set_owner)
 
     def _set_owner(self, indices: torch.Tensor, state: int) -> None:
         """Both pools: the full slots and the window slots they still map to."""

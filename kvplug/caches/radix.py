@@ -113,8 +113,8 @@ class RadixNode(CandidateStats):
     its end (``value``, the view of its tail, is derived from it: a split or an exact cut then
     slices one tensor, not two): a cached node's path never changes. ``depth + num_tokens``
     is where it ends; ``path_hash`` hashes its namespace and every token from the root to its
-    end (``0`` after an exact eviction cut its tail, until a walk ends at it again): what
-    ``insert(prev=...)`` checks. ``content_id`` identifies where its content starts (see
+    end (``0`` for a new leaf or after an exact eviction cut its tail, until a walk ends at it):
+    what ``insert(prev=...)`` checks. ``content_id`` identifies where its content starts (see
     ``_start_id``).
     """
 
@@ -201,6 +201,12 @@ class RadixCache(BuiltFromContext):
         self._touch_all = not getattr(policy, "touch_candidates_only", False)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._clock = 0
+        # the key and node of the last match_prefix (see _resume_point)
+        self._last_match: tuple[tuple[int, ...] | None, str | None, RadixNode | None] = (
+            None,
+            None,
+            None,
+        )
         self._new_tree()
 
     def _new_tree(self) -> None:
@@ -289,7 +295,7 @@ class RadixCache(BuiltFromContext):
             node = self._split(inside, nxt - pos, ids, extra_key)
             path.append(node)
             pos = nxt
-        if not node.path_hash and pos:  # cut by an exact eviction since it was hashed
+        if not node.path_hash and pos:  # a new leaf, or cut by an exact eviction since
             node.path_hash = hash((extra_key, ids[:pos]))
         return node, pos, path
 
@@ -397,6 +403,7 @@ class RadixCache(BuiltFromContext):
             self._resync_policy()
             raise policy_error(self.policy, "match_prefix", exc) from exc
         indices = node.path_value.clone() if gather and pos else self._empty
+        self._last_match = (ids, extra_key, node)  # what insert(prev=...) may skip re-hashing
         if record_hit:
             self._clock += 1
             stats = self.stats
@@ -431,8 +438,10 @@ class RadixCache(BuiltFromContext):
 
         Checked without a tree walk: the node is alive in this tree, still ends at
         ``prev.prefix_len``, and its content hash equals the hash of this key's first
-        ``prefix_len`` tokens (computed in C). A wrong key never grafts a leaf onto a foreign
-        path, and ``prev.device_indices`` is not trusted (the node's own slots are used).
+        ``prefix_len`` tokens (computed in C), unless this key is the very tuple (and namespace)
+        the last ``match_prefix`` walked to this node: a cached node's path never changes, so it
+        is this key's prefix. A wrong key never grafts a leaf onto a foreign path, and
+        ``prev.device_indices`` is not trusted (the node's own slots are used).
         """
         if not isinstance(prev, MatchResult):
             raise TypeError(
@@ -447,6 +456,9 @@ class RadixCache(BuiltFromContext):
             return node if plen == 0 else None
         if node.parent is None or node.depth + node.num_tokens != plen:
             return None  # evicted or cut since the match
+        matched_ids, matched_extra_key, matched_node = self._last_match
+        if matched_ids is ids and matched_extra_key == extra_key and matched_node is node:
+            return node
         if node.path_hash != hash((extra_key, ids[:plen])):
             return None
         return node
@@ -523,7 +535,7 @@ class RadixCache(BuiltFromContext):
                 leaf.num_tokens = leaf.new_tokens = end - pos
                 leaf.depth, leaf.namespace = pos, extra_key
                 leaf.content_id = _start_id(extra_key, pos, leaf.key)
-                leaf.path_hash = hash((extra_key, ids[:end]))
+                leaf.path_hash = 0  # hashed when a walk first ends at it (_walk)
                 node.children[leaf.edge] = leaf
                 if node.lock_ref == 0:
                     self.policy.discard(node)  # no longer a leaf

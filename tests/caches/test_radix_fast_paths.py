@@ -100,6 +100,25 @@ def test_stale_or_foreign_prev_falls_back_to_the_walk():
         cache.insert([1], allocator.alloc(1), prev=bad)
 
 
+def test_prev_of_the_same_tuple_skips_the_hash_only_in_its_namespace():
+    cache, allocator = make_radix(capacity=64)
+    ids = (1, 2, 3, 4)
+    cache.insert(CacheKey(ids, "a"), allocator.alloc(4))
+    longer = ids + (5, 6)
+    m = cache.match_prefix(CacheKey(longer, "a"))
+    assert m.prefix_len == 4
+    # the same tuple object and node, another namespace: the node is not this key's prefix
+    b = allocator.alloc(6)
+    assert cache.insert(CacheKey(longer, "b"), b, prev=m) == 0
+    assert cache.match_prefix(CacheKey(longer, "b")).device_indices.tolist() == b.tolist()
+    # the very key of the match: continues from its node (4 cached, 2 new)
+    key = ids + (7, 8)
+    m = cache.match_prefix(CacheKey(key, "a"))
+    slots = torch.cat((m.device_indices, allocator.alloc(2)))
+    assert cache.insert(CacheKey(key, "a"), slots, prev=m) == 4
+    assert cache.match_prefix(CacheKey(key, "a")).device_indices.tolist() == slots.tolist()
+
+
 def _all(cache: RadixCache) -> EvictParams:
     return EvictParams(num_tokens=cache.evictable_size())
 
@@ -157,6 +176,8 @@ def test_nodes_carry_candidate_features():
     assert head.namespace == tail.namespace == "ns"
     assert head.new_tokens == tail.new_tokens == 6  # both come from the request that added 6
     assert head.path_hash == hash(("ns", (1, 2, 3, 4)))
+    assert tail.path_hash == 0  # a new leaf: hashed when a walk first ends at it
+    cache.match_prefix(CacheKey([1, 2, 3, 4, 5, 6], "ns"), record_hit=False)
     assert tail.path_hash == hash(("ns", (1, 2, 3, 4, 5, 6)))
     assert head.content_id != tail.content_id and head.content_id and tail.content_id
     assert not head.partial_page and not tail.partial_page

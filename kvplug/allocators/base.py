@@ -21,6 +21,7 @@ about 5x cheaper). Other devices use the torch ops; both paths are tested to agr
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,6 +51,13 @@ __all__ = [
 FREE, HELD, CACHED = 0, 1, 2
 _NO_SCRATCH = np.zeros(0, dtype=np.int64)  # check_slots' scratch when ownership is not tracked
 _STATE_NAMES = {FREE: "free", HELD: "held by a request", CACHED: "owned by the cache"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _full_shortfall(num_tokens: int) -> EvictParams:
+    """One validated ``EvictParams(num_tokens=n)`` per count: the model is frozen, so a shortfall
+    asked for again (every request of a full cache asks for one) is shared, not re-validated."""
+    return EvictParams(num_tokens=num_tokens)
 
 
 class AllocatorCheckOptions(FrozenModel):
@@ -595,7 +603,7 @@ class BaseAllocator:
         deficit = n - self.available_size()
         if deficit <= 0:
             return None
-        return EvictParams(num_tokens=-(-deficit // self.page_size) * self.page_size)
+        return _full_shortfall(-(-deficit // self.page_size) * self.page_size)
 
     def __repr__(self) -> str:
         return (

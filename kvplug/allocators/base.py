@@ -392,12 +392,7 @@ class BaseAllocator:
         if lo < self._low or hi > self._high:
             self._raise_range(lo, hi)
         if first_dup >= 0 or first_bad >= 0:
-            self._raise_ownership(
-                indices,
-                None,
-                first_dup if first_dup >= 0 else None,
-                first_bad if first_bad >= 0 else None,
-            )
+            self._raise_ownership(indices, None, first_dup, first_bad)
         if k > stack.top:
             raise ValueError(
                 f"freeing {k} {stack.unit}(s) but only {stack.top} are allocated: "
@@ -532,12 +527,7 @@ class BaseAllocator:
         )
         self._check_range(indices, lo, hi, require)
         if first_dup >= 0 or first_bad >= 0:
-            self._raise_ownership(
-                indices,
-                require,
-                first_dup if first_dup >= 0 else None,
-                first_bad if first_bad >= 0 else None,
-            )
+            self._raise_ownership(indices, require, first_dup, first_bad)
 
     def _check_range(self, indices: torch.Tensor, lo: int, hi: int, require: int | None) -> None:
         """Raise when the smallest or largest slot is not a usable one, or (a free at page
@@ -573,12 +563,12 @@ class BaseAllocator:
         first_bad: int | None,
     ) -> None:
         """Name the first problem: a slot twice in one call, else the first slot in a wrong
-        state."""
+        state (positions; ``None`` or ``-1``: none found)."""
         verb = "freed" if require is None else "given"
-        if first_dup is not None:
+        if first_dup is not None and first_dup >= 0:
             i = first_dup
             raise ValueError(f"slot {int(indices[i])} is {verb} twice in one call (position {i})")
-        assert first_bad is not None
+        assert first_bad is not None and first_bad >= 0
         i = first_bad
         stack, units = self._owner_units(indices[i : i + 1])
         assert stack.state is not None

@@ -49,7 +49,7 @@ __all__ = [
 # Owner of a slot (or page) in the ownership state: free, held by the caller that allocated it,
 # or cached (owned by the prefix cache).
 FREE, HELD, CACHED = 0, 1, 2
-_NO_SCRATCH = np.zeros(0, dtype=np.int64)  # check_slots' scratch when ownership is not tracked
+_NO_SCRATCH = np.zeros(0, dtype=np.int64)  # a kernel argument it does not read in that call
 _STATE_NAMES = {FREE: "free", HELD: "held by a request", CACHED: "owned by the cache"}
 
 
@@ -143,6 +143,12 @@ class FreeIdStack:
     def __len__(self) -> int:
         return self.count - self.top
 
+    def overfull(self, n: int) -> ValueError:
+        """The error of pushing ``n`` ids when fewer than ``n`` are allocated."""
+        return ValueError(
+            f"freeing {n} {self.unit}(s) but only {self.top} are allocated: some are freed twice"
+        )
+
     def pop(self, n: int) -> torch.Tensor:
         """Take ``n <= len(self)`` ids as a new tensor (callers check the count first)."""
         if self._ids_np is not None:
@@ -167,15 +173,12 @@ class FreeIdStack:
 
         Ownership was checked by the caller (``BaseAllocator._check_values``).
         """
-        n = ids.numel()
-        if n > self.top:
-            raise ValueError(
-                f"freeing {n} {self.unit}(s) but only {self.top} are allocated: "
-                "some are freed twice"
-            )
         if self._ids_np is not None:
             self.push_np(ids.numpy())
             return
+        n = ids.numel()
+        if n > self.top:
+            raise self.overfull(n)
         self._ids[self.top - n : self.top] = ids
         self.top -= n
         if self.state is not None:
@@ -195,10 +198,7 @@ class FreeIdStack:
         assert self._ids_np is not None
         n = ids.size
         if n > self.top:
-            raise ValueError(
-                f"freeing {n} {self.unit}(s) but only {self.top} are allocated: "
-                "some are freed twice"
-            )
+            raise self.overfull(n)
         self._ids_np[self.top - n : self.top] = ids
         if self.state_np is not None:
             self.state_np[ids] = FREE
@@ -221,7 +221,7 @@ class BaseAllocator:
     Subclasses set ``_low``/``_high`` (the valid slot range) and implement ``available_size``,
     ``alloc``, ``clear``, ``release`` (free already-checked indices; raise before changing
     anything), the ``alloc_mark`` / ``rollback_alloc`` pair (undo allocations exactly) and
-    ``_owner_units`` (where the ownership state of slots lives).
+    ``_owner_stack`` (the stack that holds the slots' owner state, and slots per unit).
     """
 
     prefer_host_path: bool = True
@@ -286,13 +286,14 @@ class BaseAllocator:
         """Undo the allocations made since ``alloc_mark()`` (nothing may be freed in between)."""
         raise NotImplementedError
 
-    def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
-        """The stack that tracks these (in-range) slots' owner, and their ids in it."""
-        raise NotImplementedError
-
     def _owner_stack(self) -> tuple[FreeIdStack, int]:
         """The stack that tracks the owner of the slots, and how many slots share one unit."""
         raise NotImplementedError
+
+    def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
+        """The stack that tracks these (in-range) slots' owner, and their ids in it."""
+        stack, div = self._owner_stack()
+        return stack, indices // div if div != 1 else indices
 
     def _owner_units_np(self, indices: np.ndarray) -> tuple[FreeIdStack, np.ndarray]:
         """``_owner_units`` on a NumPy view (the CPU path)."""
@@ -394,10 +395,7 @@ class BaseAllocator:
         if first_dup >= 0 or first_bad >= 0:
             self._raise_ownership(indices, None, first_dup, first_bad)
         if k > stack.top:
-            raise ValueError(
-                f"freeing {k} {stack.unit}(s) but only {stack.top} are allocated: "
-                "some are freed twice"
-            )
+            raise stack.overfull(k)
         stack.top -= k
 
     def free_group_begin(self) -> None:

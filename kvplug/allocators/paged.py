@@ -247,9 +247,6 @@ class PagedAllocator(BaseAllocator):
             return
         self._stack.push(self.pages_of(indices))
 
-    def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
-        return self._stack, indices // self.page_size
-
     def _owner_stack(self) -> tuple[FreeIdStack, int]:
         return self._stack, self.page_size
 

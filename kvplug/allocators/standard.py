@@ -102,9 +102,6 @@ class StandardAllocator(BaseAllocator):
     def release(self, indices: torch.Tensor) -> None:
         self._stack.push(indices)
 
-    def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
-        return self._stack, indices
-
     def _owner_stack(self) -> tuple[FreeIdStack, int]:
         return self._stack, 1
 

@@ -81,6 +81,8 @@ class SWAAllocator(BaseAllocator):
     inside a free group.
     """
 
+    _one_stack = False  # the window pool's slots are freed and owned too (release, _set_owner)
+
     def __init__(
         self,
         size: int,
@@ -277,13 +279,8 @@ class SWAAllocator(BaseAllocator):
         self.swa_allocator.release(mapped)
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
-    def _owner_units(self, indices: torch.Tensor) -> tuple[FreeIdStack, torch.Tensor]:
-        return self.full_allocator._owner_units(indices)
-
     def _owner_stack(self) -> tuple[FreeIdStack, int]:
         return self.full_allocator._owner_stack()
-
-    _one_stack = False  # the window pool's slots are freed and owned too (release, _set_owner)
 
     def _set_owner(self, indices: torch.Tensor, state: int) -> None:
         """Both pools: the full slots and the window slots they still map to."""

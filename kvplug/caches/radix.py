@@ -666,7 +666,7 @@ class RadixCache(BuiltFromContext):
                 f"{node!r} is not locked by this handle: dec_lock_ref without inc_lock_ref on "
                 "it (an ancestor of a locked node, or the root, cannot be unlocked)"
             )
-        root, start = self.root, node
+        root = self.root
         if node.lock_ref == 1 and not node.children and node is not root:
             try:
                 self.policy.add(node)  # before any count changes: nothing else to undo
@@ -674,7 +674,7 @@ class RadixCache(BuiltFromContext):
                 self._resync_policy()
                 raise policy_error(self.policy, "dec_lock_ref", exc) from exc
         moved = speedups.lock_path(node, root, -1)  # checked: fails before any count changes
-        start.own_locks -= 1
+        node.own_locks -= 1
         self._evictable += moved
         self._protected -= moved
         return moved

@@ -97,14 +97,16 @@ class RadixCacheOptions(FrozenModel):
     granularity: Literal["exact", "leaf"] = "exact"
 
 
-_ID_TOKENS = 64
+_ID_TOKENS = 16
 
 
 def _start_id(namespace: str | None, depth: int, key: tuple[int, ...]) -> int:
     """A node's ``content_id``: where its content starts (namespace, depth, first tokens).
 
     Content evicted and cached again usually comes back longer (a conversation's next turn), so
-    an identity of the start, not the end, lets a policy's ghost of it match.
+    an identity of the start, not the end, lets a policy's ghost of it match. The first 16
+    tokens: a leaf shorter than that is only matched by a re-insert that is no longer (a longer
+    prefix would make every leaf of up to that length unmatchable by its own continuation).
     """
     return hash((namespace, depth, key[:_ID_TOKENS])) or 1
 

@@ -1,42 +1,62 @@
 """``lhd``: learned hit density (after Beckmann et al., "LHD: Improving Cache Hit Rate by
 Maximizing Hit Density", NSDI 2018), adapted to leaf-only prefix caches.
 
-A candidate's value is the hits it is still expected to get per unit of time it keeps its slots
-occupied. LHD learns, online and per class of candidate, how reuse depends on age (ticks since
-the last access): every hit adds an event "reused at age a", every eviction an event "left at age
-a without reuse", and an insert of content that was evicted earlier (a ghost) turns that
-eviction into a hit at the longer age. From the event histograms it computes, per class and age
-bin, ``density = E[hits after age a] / E[remaining lifetime after age a]`` and evicts the
-candidate with the lowest density. Hits are worth their tokens and occupancy costs tokens, so
-size cancels for a token hit rate; ``cost_aware`` weights a candidate's density by what
-recomputing a token at its depth costs (:class:`~kvplug.policies.cost.CostModel`).
+A candidate's value is the hits it is still expected to get per token per tick it keeps its
+slots. Hits are worth their tokens and occupancy costs tokens, so size cancels for a token hit
+rate; ``cost_aware`` weights the density by what recomputing a token at the candidate's depth
+costs (:class:`~kvplug.policies.cost.CostModel`). The policy evicts the lowest density.
 
-Classes are hit-count buckets (0, 1, ..., ``hit_classes - 1`` or more), optionally times depth
-buckets (``depth_classes``) and "split" (``split_classes``: a request reused only the head of
-the leaf). Within a class candidates sit in a heap by last access. Past the typical reuse age
-density falls with age, so a class's oldest member is its candidate (``ends="oldest"``, the
-default); ``ends="both"`` also weighs its youngest (density rising, then falling, with age: it
-can stop admitting fresh content at small capacities, and measured worse than LRU at larger
-ones). An eviction compares one or two heads per class, O(classes + log N). Densities are
-recomputed every ``recompute_every`` events and the histograms decay, so the policy follows a
-drifting workload. Everything is a function of the call sequence: deterministic.
+**What it learns.** Per class of candidate, the distribution of the age at reuse
+(:class:`~kvplug.policies.reuse.ReuseModel`): every hit, every request that reused a leaf's head
+(the radix cache split it), and every insert matching the ghost of an evicted candidate is a
+reuse at an age; entries are counted with their times so recent ones do not bias late ages. The
+density of a class at an age is the best ratio of the reuse still to come to the ticks still to
+be occupied. Everything adapts during the run (no training file) and is deterministic.
 
-**Guard against losing to LRU.** The global LRU victim is the oldest of the heads, so every
-eviction knows both choices for free. When they differ, the candidate one ranking keeps and the
-other would evict is watched: a hit on a candidate kept only by the learned ranking, or an
-insert matching the ghost of one the LRU ranking evicted, scores for the learned ranking; a hit
-on a candidate kept only by LRU, or a ghost of one the learned ranking evicted, scores for LRU.
-The policy uses whichever ranking leads (decayed score; LRU at the start, and until
-``guard_warmup`` events were scored; the learned ranking needs a lead of ``guard_margin`` of
-all evidence), and keeps scoring the other one in the shadow, so it switches back when the
-signal flips. An exact eviction that frees only a candidate's tail is watched the same way: a
-later reuse of the head means the tail would have been reused.
+**Classes** (features a prefix cache knows, or that the policy infers):
+
+* the conversation turn: 0, 1, ..., ``turn_classes - 1`` or more. The cache's ``turn`` when the
+  engine gives one; otherwise inferred: a new leaf starting where an earlier leaf ended, or where
+  a request split one, continues its conversation; a leaf re-inserted after its eviction
+  continues the ghost's; and a split's head, when it becomes a leaf again, belongs to the turn
+  that split it;
+* the size of the request's addition (``new_tokens``), in factors of 4 (``size_classes``);
+* hit at least once (``hit_classes``);
+* the tail of a split: what a request did not reuse of a leaf (``tail_class``: one class; such
+  tails are rarely reused).
+
+On the Mooncake conversation trace a first turn is continued about 30 % of the time, a turn
+that continued a conversation 40-75 % (more the longer the conversation), short first turns
+least, and no continuation comes much before 100 requests later. LRU ignores all of it.
+
+**Ranking.** Within a class, candidates sit in two heaps by last access. Density first rises with
+age (reuse has not begun) and then falls (reuse becomes unlikely), so a class's lowest density
+is at its oldest or its youngest member (``ends="both"``; ``"oldest"`` looks only at the
+oldest). An eviction compares those two per non-empty class: O(classes + log N). At small
+capacities evicting the youngest of a rarely-continued class is what keeps a subset of first
+turns long enough to be continued, instead of every one of them too briefly.
+
+**Guard against losing to LRU** (:class:`~kvplug.policies.shadow.ShadowGuard`). The ranking
+not in use runs as a shadow, kept as its differences from the cache: candidates it evicted that
+are still cached here, and evicted content (whole candidates and cut tails) it still holds. It
+holds as many tokens as the cache and follows the tree. A reuse here of what it evicted is
+evidence for the ranking in use; an insert re-covering what it still holds is evidence for the
+shadow. LRU is in use at the start; the rankings swap when the shadow leads by
+``guard_confidence`` standard deviations of the decayed evidence, so the policy falls back to
+LRU where the learned classes mislead (or the workload flips) and returns when they help.
+
+Measured (``benchmarks/bench_policies.py``, Mooncake conversation trace, page 1): 25.9 / 18.3 /
+7.6 % of the LRU-Belady gap closed at 1 / 3 / 5 % capacity; on five synthetic workloads up to
++12 points over LRU and never more than 0.3 points below it. The rest of the gap to Belady is
+foresight no online feature gives: knowing only *whether* each candidate comes back (not when)
+already reaches 28.6 % at 3 % capacity, where the best class-based ranking trained on the whole
+trace in advance reaches about 16 %.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Annotated, Literal
+from collections import OrderedDict
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import Field
 
@@ -44,53 +64,154 @@ from kvplug_hookspecs import EvictionCandidate, FeedbackEvictionPolicy, FrozenMo
 
 from .cost import CostModel
 from .heap import LazyHeap
+from .reuse import ReuseModel
+from .shadow import ShadowGuard
 
 __all__ = ["LHDOptions", "LHDPolicy"]
 
-_LEARNED_EVICTED = 1  # ghost tag bits: this eviction was the learned ranking's deviation
-_LRU_EVICTED = 2  # ... or LRU's (the learned ranking would have kept it)
+
+_TAIL = 0  # the class of split tails (when ``tail_class``)
 
 
 class LHDOptions(FrozenModel):
     """Options of the ``lhd`` policy."""
 
-    hit_classes: Annotated[int, Field(ge=1, le=16, strict=True)] = 3
-    """Classes by hit count: 0, 1, ..., ``hit_classes - 1`` or more."""
-    depth_classes: Annotated[int, Field(ge=1, le=8, strict=True)] = 1
-    """Classes by depth: below 1k tokens, then one per factor of 4 (a conversation's turns go
-    deeper; a first turn right below a system prompt is less often continued)."""
-    split_classes: bool = False
-    """A leaf a request matched only the head of (its tail diverged) is its own class."""
-    age_bins: Annotated[int, Field(ge=8, le=256, strict=True)] = 80
+    turn_classes: Annotated[int, Field(ge=1, le=16, strict=True)] = 4
+    """Classes by conversation turn: 0, 1, ..., ``turn_classes - 1`` or more (1: no turns)."""
+    size_classes: Annotated[int, Field(ge=1, le=16, strict=True)] = 10
+    """Classes by the tokens the creating request added, one per factor of 4 (1: no sizes)."""
+    hit_classes: bool = True
+    """A candidate hit at least once is a class of its own."""
+    tail_class: bool = True
+    """The unused tail of a split leaf is one class."""
+    ends: Literal["both", "oldest"] = "both"
+    """Which members of each class are weighed: the oldest and the youngest, or the oldest."""
+    age_bins: Annotated[int, Field(ge=8, le=256, strict=True)] = 64
     """Age histogram bins (``bins_per_doubling`` per factor of two of age)."""
     bins_per_doubling: Annotated[int, Field(ge=1, le=16, strict=True)] = 4
-    recompute_every: Annotated[int, Field(ge=1, strict=True)] = 256
-    """Events (hits + evictions) between recomputations of the density table."""
-    decay: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
-    """Factor the histograms are multiplied by at each recomputation (forgets old behaviour)."""
-    min_events: Annotated[float, Field(ge=0.0)] = 8.0
-    """Ages with fewer (decayed) events at or beyond them have density 0: evicted oldest first."""
-    prior: Annotated[float, Field(ge=0.0)] = 0.1
-    """Weight of all classes' events added to each class's (small classes borrow strength)."""
+    smoothing: Annotated[int, Field(ge=0, le=8, strict=True)] = 2
+    """Passes of a [1, 2, 1] filter over each class's reuse-age histogram (few reuses in a
+    narrow bin must not read as a sure reuse at that age)."""
+    prior: Annotated[float, Field(ge=0.0)] = 2.0
+    """Pseudo-entries per class at the overall reuse rates (small classes borrow strength)."""
+    recompute_every: Annotated[int, Field(ge=8, strict=True)] = 256
+    """Reuses between recomputations of the density table (also at 8, 16, 32, ... before)."""
+    decay_every: Annotated[int, Field(ge=16, strict=True)] = 8192
+    """Reuses between halvings of the learned counts (follows a drifting workload)."""
+    exposure_window: Annotated[int, Field(ge=1, strict=True)] = 32768
+    """Latest class entries kept with their times (see :mod:`kvplug.policies.reuse`)."""
     cost_aware: bool = False
     """Weight density by the prefill cost per token at the candidate's depth (``cost``)."""
     cost: CostModel = CostModel()
     partial_pages: Literal["rank", "evict_first"] = "rank"
     """``evict_first``: candidates ending in a partial page go before anything else."""
-    deviate_below: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
-    """Evict another candidate than LRU's only when its density is below this share of the LRU
-    victim's (a confident model overrules recency; a noisy one does not)."""
     guard: bool = True
     """Follow LRU whenever it has been doing better (see the module docstring)."""
+    guard_warmup: Annotated[int, Field(ge=0, strict=True)] = 0
+    """Scored events before the first switch."""
     guard_memory: Annotated[int, Field(ge=1, strict=True)] = 2000
     """Guard evidence decays by ``1 - 1/guard_memory`` per scored event."""
-    guard_margin: Annotated[float, Field(ge=0.0, le=1.0)] = 0.3
-    """The learned ranking takes over only when its evidence leads by this share of all scored
-    evidence; LRU takes over as soon as it leads."""
-    guard_warmup: Annotated[int, Field(ge=0, strict=True)] = 2000
-    """Scored events before the learned ranking may take over at all."""
+    guard_confidence: Annotated[float, Field(ge=0.0, le=16.0)] = 1.5
+    """The ranking not in use takes over when its lead is this many standard deviations of the
+    decayed evidence (switching back and forth on noise costs hits)."""
     ghost_entries: Annotated[int, Field(ge=0, strict=True)] = 16384
-    """Evicted candidates remembered (to learn reuse after eviction, and for the guard)."""
+    """Evicted candidates remembered (reuse after eviction, the inferred turn, the guard)."""
+    lineage_entries: Annotated[int, Field(ge=0, strict=True)] = 4096
+    """Recently extended or split candidates remembered to infer the turn of new ones."""
+
+
+class _Gone(NamedTuple):
+    """What the policy keeps of an evicted candidate to credit a reuse that re-covers it."""
+
+    cls: int
+    last_access: int
+    end: int
+    turn: int
+    content_id: int
+
+
+class _Recency:
+    """The LRU ranking over a set of candidates."""
+
+    def __init__(self) -> None:
+        self.heap = LazyHeap()
+
+    def push(self, candidate: EvictionCandidate, cls: int) -> None:
+        self.heap.push(candidate, candidate.last_access_time)
+
+    def remove(self, candidate: EvictionCandidate) -> None:
+        self.heap.remove(candidate)
+
+    def victim(self) -> EvictionCandidate | None:
+        return self.heap.peek()
+
+    def clear(self) -> None:
+        self.heap.clear()
+
+    def __contains__(self, candidate: object) -> bool:
+        return candidate in self.heap
+
+
+class _Density:
+    """The learned ranking over a set of candidates: lowest density at a class's ends."""
+
+    def __init__(self, policy: LHDPolicy) -> None:
+        self.policy = policy
+        self.oldest: dict[int, LazyHeap] = {}
+        self.youngest: dict[int, LazyHeap] = {}
+        self.members: dict[EvictionCandidate, int] = {}
+
+    def push(self, candidate: EvictionCandidate, cls: int) -> None:
+        old = self.members.get(candidate)
+        if old is not None and old != cls:
+            self.remove(candidate)
+        self.members[candidate] = cls
+        oldest = self.oldest.get(cls)
+        if oldest is None:
+            oldest = self.oldest[cls] = LazyHeap()
+            self.youngest[cls] = LazyHeap()
+        oldest.push(candidate, candidate.last_access_time)
+        self.youngest[cls].push(candidate, -candidate.last_access_time)
+
+    def remove(self, candidate: EvictionCandidate) -> None:
+        cls = self.members.pop(candidate, None)
+        if cls is not None:
+            oldest = self.oldest[cls]
+            oldest.remove(candidate)
+            self.youngest[cls].remove(candidate)
+            if not oldest:
+                del self.oldest[cls], self.youngest[cls]
+
+    def victim(self) -> EvictionCandidate | None:
+        policy = self.policy
+        now, density, age_bin = policy.now, policy.model.density, policy.model.bin
+        weight = policy.weight if policy.cost_aware else None
+        both = policy.options.ends == "both"
+        best: EvictionCandidate | None = None
+        best_key: tuple[float, int, int] = (0.0, 0, 0)
+        for cls, heap in self.oldest.items():
+            head = heap.peek()
+            if head is None:
+                continue
+            row = density[cls]
+            young = self.youngest[cls].peek() if both else head
+            for end in (head,) if young is head or young is None else (head, young):
+                last = end.last_access_time
+                value = row[age_bin(now - last)]
+                if weight is not None:
+                    value *= weight(end)
+                key = (value, last, end.node_id)
+                if best is None or key < best_key:
+                    best, best_key = end, key
+        return best
+
+    def clear(self) -> None:
+        self.oldest.clear()
+        self.youngest.clear()
+        self.members.clear()
+
+    def __contains__(self, candidate: object) -> bool:
+        return candidate in self.members
 
 
 class LHDPolicy(FeedbackEvictionPolicy):
@@ -103,252 +224,274 @@ class LHDPolicy(FeedbackEvictionPolicy):
             raise TypeError(f"lhd options must be LHDOptions, got {type(options).__name__}")
         super().__init__(options, ghost_capacity=options.ghost_entries)
         o = options
-        self._hit_classes = o.hit_classes
-        self._depth_classes = o.depth_classes
-        self._classes = o.hit_classes * o.depth_classes * (2 if o.split_classes else 1)
-        self._bins = o.age_bins
-        self._per_doubling = o.bins_per_doubling
+        self._turns, self._sizes = o.turn_classes, o.size_classes
+        self._per_size = o.turn_classes * (2 if o.hit_classes else 1)
+        self._offset = 1 if o.tail_class else 0
+        self.model = ReuseModel(
+            self._offset + o.size_classes * self._per_size,
+            bins=o.age_bins,
+            bins_per_doubling=o.bins_per_doubling,
+            prior=o.prior,
+            exposure_window=o.exposure_window,
+            recompute_every=o.recompute_every,
+            decay_every=o.decay_every,
+            smoothing=o.smoothing,
+        )
+        """The learned reuse ages and densities per class."""
+        self.cost_aware = o.cost_aware
+        self._cost = o.cost
         self._partial_first = o.partial_pages == "evict_first"
-        self._cost = o.cost if o.cost_aware else None
-        self._heaps = [LazyHeap() for _ in range(self._classes + 1)]  # the last: partial pages
-        self._young = [LazyHeap() for _ in range(self._classes)]  # youngest first
-        self._heap_of: dict[EvictionCandidate, int] = {}
-        self._split: dict[EvictionCandidate, None] = {}
-        self._split_classes = o.split_classes
-        self._rep = [2.0 ** (b / self._per_doubling) - 1.0 for b in range(self._bins)]
-        self._hits = [[0.0] * self._bins for _ in range(self._classes)]
-        self._ends = [[0.0] * self._bins for _ in range(self._classes)]
-        self._density = [[0.0] * self._bins for _ in range(self._classes)]
-        self._events = 0
-        self._guard = o.guard
-        self._keep = 1.0 - 1.0 / o.guard_memory
-        self.score = 0.0
-        self._scale = 0.0
-        self._scored = 0
-        """Decayed evidence for the learned ranking over LRU (tokens; > 0: learned leads)."""
+        self._partial = LazyHeap()  # partial pages, when they go first
+        self._live: dict[EvictionCandidate, None] = {}
+        self._class: dict[EvictionCandidate, int] = {}  # live candidates and phantoms
+        self._turn: dict[EvictionCandidate, int] = {}
+        self._tail: dict[EvictionCandidate, None] = {}
+        self._lineage: OrderedDict[tuple[object, int], int] = OrderedDict()
+        self._heads: OrderedDict[tuple[object, int], int] = OrderedDict()
+        # evicted candidates by where they start, and per evicted content the descendants that
+        # were evicted before it (a later insert re-covering both is a reuse of both)
+        self._gone: OrderedDict[tuple[object, int], list[_Gone]] = OrderedDict()
+        self._below: OrderedDict[int, list[_Gone]] = OrderedDict()
+        self._ends: dict[EvictionCandidate, int] = {}  # the end of candidates cut by evictions
         self.use_learned = not o.guard
-        self._kept_by_learned: dict[EvictionCandidate, None] = {}
-        self._kept_by_lru: dict[EvictionCandidate, None] = {}
-        self._deviation = 0
-        # candidates whose tail a deviating eviction cut (the cache kept the head): a later reuse
-        # of the head means the tail would have been reused too
-        self._cut: dict[EvictionCandidate, tuple[int, int]] = {}
+        """Whether the learned ranking is in use (else LRU; the guard switches)."""
+        self._learned = _Density(self)
+        self._recency = _Recency()
+        self.guard: ShadowGuard | None = None
+        """The shadow of the ranking not in use (``None`` without ``guard``)."""
+        if o.guard:
+            self.guard = ShadowGuard(
+                self._learned,
+                memory=o.guard_memory,
+                capacity=o.ghost_entries,
+            )
+        self.switches = 0
+        """Times the guard changed ranking."""
 
-    # -- classes, bins and values --------------------------------------------------------------
+    # -- classes -------------------------------------------------------------------------------
+
+    def turn_of(self, candidate: EvictionCandidate) -> int:
+        """The candidate's conversation turn: the cache's, or the one inferred (0: none)."""
+        return max(candidate.turn, self._turn.get(candidate, 0))
 
     def class_of(self, candidate: EvictionCandidate, hit_count: int | None = None) -> int:
-        """The candidate's class: hit-count bucket x depth bucket (x split or not)."""
-        hits = candidate.hit_count if hit_count is None else hit_count
-        cls = min(max(hits, 0), self._hit_classes - 1)
-        if self._depth_classes > 1:
-            depth = max(0, candidate.depth.bit_length() - 9) // 2  # <1k, <4k, <16k, ...
-            cls = cls * self._depth_classes + min(self._depth_classes - 1, depth)
-        if self._split_classes:
-            cls = cls * 2 + (candidate in self._split)
+        """The candidate's class (see the module docstring)."""
+        if self._offset and candidate in self._tail:
+            return _TAIL
+        turn = min(self.turn_of(candidate), self._turns - 1)
+        size = min(self._sizes - 1, max(0, candidate.new_tokens.bit_length() - 1) // 2)
+        cls = self._offset + size * self._per_size + turn
+        if self.options.hit_classes:
+            hits = candidate.hit_count if hit_count is None else hit_count
+            if hits > 0:
+                cls += self._turns
         return cls
 
-    def _bin(self, age: int) -> int:
-        if age <= 0:
-            return 0
-        return min(self._bins - 1, int(self._per_doubling * math.log2(1 + age)))
-
-    def _weight(self, candidate: EvictionCandidate) -> float:
-        """Value of a hit per token (1, or the prefill cost per token at its depth)."""
-        cost = self._cost
-        if cost is None:
-            return 1.0
-        return cost.per_token(candidate.depth, candidate.num_tokens)
-
     def density(self, candidate: EvictionCandidate, age: int) -> float:
-        """The learned hits per unit of time of ``candidate`` at ``age`` (its class's)."""
-        return self._density[self.class_of(candidate)][self._bin(age)]
+        """The learned hits per token per tick of ``candidate`` at ``age`` (its class's)."""
+        value = self.model.density[self.class_of(candidate)][self.model.bin(age)]
+        return value * self.weight(candidate) if self.cost_aware else value
+
+    def weight(self, candidate: EvictionCandidate) -> float:
+        """Value of a hit per token: the prefill cost per token at the candidate's depth."""
+        return self._cost.per_token(candidate.depth, candidate.num_tokens)
 
     # -- learning ------------------------------------------------------------------------------
 
-    def _event(self) -> None:
-        self._events += 1
-        if self._events % self.options.recompute_every == 0:
-            self._recompute()
+    def _entered(self, candidate: EvictionCandidate) -> None:
+        self.model.entered(self.class_of(candidate), self.now)
 
-    def _recompute(self) -> None:
-        """Density per class and age bin from the decayed event histograms (LHD's recurrence)."""
-        bins, rep, prior = self._bins, self._rep, self.options.prior
-        all_hits = [sum(h[b] for h in self._hits) for b in range(bins)]
-        all_ends = [sum(e[b] for e in self._ends) for b in range(bins)]
-        for c in range(self._classes):
-            hits, ends, density = self._hits[c], self._ends[c], self._density[c]
-            hit_tail = event_tail = life_tail = 0.0
-            for b in range(bins - 1, -1, -1):
-                h = hits[b] + prior * all_hits[b]
-                e = h + ends[b] + prior * all_ends[b]
-                hit_tail += h
-                event_tail += e
-                life_tail += e * rep[b]
-                # expected ticks still to be spent by a candidate now at age rep[b] (+1 per event)
-                remaining = life_tail - event_tail * rep[b] + event_tail
-                # too few events this old to trust: rank as worthless (oldest goes first)
-                enough = event_tail >= self.options.min_events
-                density[b] = hit_tail / remaining if enough and remaining > 0 else 0.0
-            decay = self.options.decay
-            for b in range(bins):
-                hits[b] *= decay
-                ends[b] *= decay
+    def _reused(self, cls: int, age: int) -> None:
+        self.model.reused(cls, age, self.now)
 
-    def _score(self, delta: float) -> None:
-        self.score = self.score * self._keep + delta
-        self._scale = self._scale * self._keep + abs(delta)
-        self._scored += 1
-        margin = self.options.guard_margin * self._scale
-        if self.score > margin and self._scored >= self.options.guard_warmup:
-            self.use_learned = True
-        elif self.score < 0:
-            self.use_learned = False
+    def _remember(
+        self, table: OrderedDict[tuple[object, int], int], key: tuple[object, int], turn: int
+    ) -> None:
+        table.pop(key, None)
+        table[key] = turn
+        if len(table) > self.options.lineage_entries:
+            table.popitem(last=False)
+
+    def _check_guard(self) -> None:
+        """Swap the rankings when the shadow leads (O(N), rare)."""
+        guard = self.guard
+        confidence = self.options.guard_confidence
+        if guard is None or not guard.switch_due(confidence, self.options.guard_warmup):
+            return
+        self.use_learned = not self.use_learned
+        self.switches += 1
+        active = self._active
+        active.clear()
+        live = {c: self._class[c] for c in self._live if c not in self._partial}
+        for candidate, cls in live.items():
+            active.push(candidate, cls)
+        guard.switched(self._recency if self.use_learned else self._learned, live)
+
+    @property
+    def _active(self) -> _Density | _Recency:
+        return self._learned if self.use_learned else self._recency
 
     # -- feedback ------------------------------------------------------------------------------
 
     def on_insert(self, candidate: EvictionCandidate, ghost: Ghost | None) -> None:
-        if ghost is None:
-            return
-        # evicted too early: it would have been a hit at the longer age
-        cls = ghost.tag & 0xFF
-        ends = self._ends[cls]
-        b = self._bin(ghost.age)
-        ends[b] = max(0.0, ends[b] - 1.0)
-        self._hits[cls][self._bin(ghost.age + self.now - ghost.evicted_at)] += 1.0
-        self._event()
-        deviation = ghost.tag >> 8
-        if self._guard and deviation:
-            value = ghost.num_tokens * self._weight(candidate)
-            self._score(-value if deviation == _LEARNED_EVICTED else value)
+        key = (candidate.namespace, candidate.depth)
+        turn = self._lineage.pop(key, -1) + 1
+        if candidate.creation_time < self.now:  # an inner node became a leaf: a split's head?
+            turn = max(turn, self._heads.pop(key, 0))
+        if ghost is not None:
+            turn = max(turn, (ghost.tag & 0xFF) + 1)
+            self._reused(ghost.tag >> 8, ghost.age + self.now - ghost.evicted_at)
+            covered = self._recovered(candidate)
+            for gone in covered:
+                turn = max(turn, gone.turn + 1)
+            if self.guard is not None:
+                ids = [candidate.content_id, *(gone.content_id for gone in covered)]
+                self.guard.returned(ids, candidate.num_tokens)
+                self._check_guard()
+        if turn:
+            self._turn[candidate] = turn
+        self._entered(candidate)
+        if self.guard is not None and candidate.creation_time >= self.now:
+            self.guard.inserted(candidate)
+            self._check_guard()
 
     def on_hit(self, candidate: EvictionCandidate, age: int) -> None:
-        cls = self.class_of(candidate, candidate.hit_count - 1)
-        self._reused(cls, candidate, age, candidate.num_tokens)
-
-    def _reused(self, cls: int, candidate: EvictionCandidate, age: int, tokens: int) -> None:
-        self._hits[cls][self._bin(age)] += 1.0
-        self._event()
-        if self._guard:
-            cut = self._cut.pop(candidate, None)
-            if cut is not None:
-                value = cut[1] * self._weight(candidate)
-                self._score(-value if cut[0] == _LEARNED_EVICTED else value)
-            if candidate in self._kept_by_learned:
-                del self._kept_by_learned[candidate]
-                self._score(tokens * self._weight(candidate))
-            elif candidate in self._kept_by_lru:
-                del self._kept_by_lru[candidate]
-                self._score(-tokens * self._weight(candidate))
-
-    def on_evict(self, candidate: EvictionCandidate, age: int) -> int:
-        cls = self.class_of(candidate)
-        self._ends[cls][self._bin(age)] += 1.0
-        self._event()
-        self._kept_by_learned.pop(candidate, None)
-        self._kept_by_lru.pop(candidate, None)
-        self._split.pop(candidate, None)
-        self._cut.pop(candidate, None)
-        tag, self._deviation = cls | self._deviation << 8, 0
-        return tag
-
-    def on_trim(self, candidate: EvictionCandidate, freed: int) -> None:
-        deviation, self._deviation = self._deviation, 0
-        if self._guard and deviation and freed > 0:
-            self._cut[candidate] = (deviation, freed)
-            if len(self._cut) > 4 * self.ghost_capacity + 64:
-                del self._cut[next(iter(self._cut))]
+        self._reused(self.class_of(candidate, candidate.hit_count - 1), age)
+        self._entered(candidate)
+        self._guard_reuse(candidate, candidate.num_tokens, candidate.num_tokens)
 
     def on_shrink(self, candidate: EvictionCandidate, old_tokens: int, age: int) -> None:
-        # a request reused the head: a hit at this age for the class the candidate was in
-        self._reused(self.class_of(candidate), candidate, age, old_tokens - candidate.num_tokens)
-        if self._split_classes and candidate not in self._split:
-            self._split[candidate] = None
-            if candidate in self._heap_of:
+        # a request reused the head and went on elsewhere: the head's conversation continues
+        self._reused(self.class_of(candidate), age)
+        turn = self.turn_of(candidate)
+        self._remember(self._lineage, (candidate.namespace, candidate.depth), turn)
+        head_start = candidate.depth - (old_tokens - candidate.num_tokens)
+        self._remember(self._heads, (candidate.namespace, head_start), turn + 1)
+        self._guard_reuse(candidate, old_tokens - candidate.num_tokens, old_tokens)
+        if self._offset and candidate not in self._tail:
+            self._tail[candidate] = None
+            self._entered(candidate)
+            if candidate in self._live:
                 self._update(candidate)
+
+    def on_trim(self, candidate: EvictionCandidate, freed: int) -> None:
+        if self.guard is not None:  # only its tail went here
+            self.guard.trimmed(candidate, freed, self._class[candidate])
+        end = candidate.depth + candidate.num_tokens + freed
+        self._ends[candidate] = max(end, self._ends.get(candidate, 0))
+
+    def on_evict(self, candidate: EvictionCandidate, age: int) -> int:
+        cls = self._class.pop(candidate, None)
+        if cls is None:
+            cls = self.class_of(candidate)
+        self._tail.pop(candidate, None)
+        turn = min(self._turn.pop(candidate, 0), 0xFF)
+        if candidate.content_id:
+            self._left(candidate, cls, turn)
+        else:
+            self._ends.pop(candidate, None)
+        if self.guard is not None:
+            self.guard.evicted(candidate)
+        return turn | cls << 8
+
+    def _left(self, candidate: EvictionCandidate, cls: int, turn: int) -> None:
+        """Remember an evicted candidate, and the evicted descendants it now covers."""
+        namespace, end = candidate.namespace, candidate.depth + candidate.num_tokens
+        end = max(end, self._ends.pop(candidate, 0))  # where it ended before exact evictions
+        below: list[_Gone] = []
+        for child in self._gone.pop((namespace, end), ()):
+            below.append(child)
+            below.extend(self._below.pop(child.content_id, ()))
+        cid = candidate.content_id
+        if below:
+            self._below[cid] = below
+            if len(self._below) > self.ghost_capacity:
+                self._below.popitem(last=False)
+        gone = _Gone(cls, candidate.last_access_time, end, turn, cid)
+        self._gone.setdefault((namespace, candidate.depth), []).append(gone)
+        if len(self._gone) > self.ghost_capacity:
+            self._gone.popitem(last=False)
+
+    def _recovered(self, candidate: EvictionCandidate) -> list[_Gone]:
+        """``candidate`` re-inserts evicted content: credit the evicted descendants it covers
+        too (their own ghosts cannot match: their start is inside it). Returns them."""
+        key = (candidate.namespace, candidate.depth)
+        cid = candidate.content_id
+        same = [g for g in self._gone.get(key, ()) if g.content_id != cid]
+        if same:
+            self._gone[key] = same
+        else:
+            self._gone.pop(key, None)
+        end = candidate.depth + candidate.num_tokens
+        covered = [gone for gone in self._below.pop(cid, ()) if gone.end <= end]
+        for gone in covered:
+            self._reused(gone.cls, self.now - gone.last_access)
+            self._ghosts.pop(gone.content_id, None)
+        return covered
+
+    def _guard_reuse(self, candidate: EvictionCandidate, tokens: int, fetched: int) -> None:
+        if self.guard is not None:
+            self.guard.reused(candidate, tokens, fetched)
+            self._check_guard()
 
     # -- ranking -------------------------------------------------------------------------------
 
     def _enter(self, candidate: EvictionCandidate) -> None:
+        self._class[candidate] = cls = self.class_of(candidate)
+        self._live[candidate] = None
         if self._partial_first and candidate.partial_page:
-            heap_id = self._classes
-        else:
-            heap_id = self.class_of(candidate)
-        self._heap_of[candidate] = heap_id
-        self._heaps[heap_id].push(candidate, candidate.last_access_time)
-        if heap_id < self._classes:
-            self._young[heap_id].push(candidate, -candidate.last_access_time)
+            self._partial.push(candidate, candidate.last_access_time)
+            return
+        self._active.push(candidate, cls)
+        if self.guard is not None:
+            self.guard.hold(candidate, cls)
 
     def _leave(self, candidate: EvictionCandidate) -> None:
-        heap_id = self._heap_of.pop(candidate, None)
-        if heap_id is not None:
-            self._heaps[heap_id].remove(candidate)
-            if heap_id < self._classes:
-                self._young[heap_id].remove(candidate)
+        if candidate in self._live:
+            del self._live[candidate]
+            self._class.pop(candidate, None)
+            self._partial.remove(candidate)
+            self._active.remove(candidate)
+            if self.guard is not None:
+                self.guard.release(candidate)
+            # it stopped being a leaf (extended) or is in use: a new candidate starting where it
+            # ends continues its conversation
+            end = (candidate.namespace, candidate.depth + candidate.num_tokens)
+            self._remember(self._lineage, end, self.turn_of(candidate))
 
     def _update(self, candidate: EvictionCandidate) -> None:
-        self._leave(candidate)
         self._enter(candidate)
 
     def _victim(self, remove: bool) -> EvictionCandidate | None:
-        heaps = self._heaps
-        partial = heaps[-1].peek()
-        if partial is not None:
-            if remove:
-                self._leave(partial)
-            return partial
-        now, densities, cost_aware = self.now, self._density, self._cost is not None
-        learned = oldest = None
-        learned_key: tuple[float, int, int] = (0.0, 0, 0)
-        for heap_id in range(len(heaps) - 1):
-            head = heaps[heap_id].peek()
-            if head is None:
-                continue
-            if oldest is None or (head.last_access_time, head.node_id) < (
-                oldest.last_access_time,
-                oldest.node_id,
-            ):
-                oldest = head
-            youngest = self._young[heap_id].peek()
-            for end in (head,) if youngest is head else (head, youngest):
-                assert end is not None
-                last = end.last_access_time
-                d = densities[heap_id][self._bin(now - last)]
-                key = (d * self._weight(end) if cost_aware else d, last, end.node_id)
-                if learned is None or key < learned_key:
-                    learned, learned_key = end, key
-        if learned is None or oldest is None:
-            return None
-        if learned is not oldest:
-            # deviate from LRU only when the model is clearly surer: its victim's density must be
-            # below ``deviate_below`` times the LRU victim's
-            d_oldest = densities[self._heap_of[oldest]][self._bin(now - oldest.last_access_time)]
-            if cost_aware:
-                d_oldest *= self._weight(oldest)
-            if learned_key[0] >= self.options.deviate_below * d_oldest:
-                learned = oldest
-        victim = learned if self.use_learned else oldest
+        victim = self._partial.peek()
+        if victim is None:
+            victim = self._active.victim()
+            if victim is None:
+                return None
         if remove:
-            if self._guard and learned is not oldest:
-                kept = oldest if victim is learned else learned
-                watch = self._kept_by_learned if victim is learned else self._kept_by_lru
-                watch[kept] = None
-                if len(watch) > 4 * self.ghost_capacity + 64:
-                    del watch[next(iter(watch))]
-                self._deviation = _LEARNED_EVICTED if victim is learned else _LRU_EVICTED
-            self._leave(victim)
+            self._partial.remove(victim)
+            self._active.remove(victim)
+            del self._live[victim]
         return victim
 
     def __len__(self) -> int:
-        return len(self._heap_of)
+        return len(self._live)
 
     def __contains__(self, candidate: object) -> bool:
-        return candidate in self._heap_of
+        return candidate in self._live
 
     def _clear(self) -> None:
-        for heap in self._heaps + self._young:
-            heap.clear()
-        self._heap_of.clear()
-        self._split.clear()
-        self._kept_by_learned.clear()
-        self._kept_by_lru.clear()
-        self._cut.clear()
+        self._learned.clear()
+        self._recency.clear()
+        if self.guard is not None:
+            self.guard.clear()
+        self._partial.clear()
+        self._live.clear()
+        self._class.clear()
+        self._turn.clear()
+        self._tail.clear()
+        self._lineage.clear()
+        self._heads.clear()
+        self._gone.clear()
+        self._below.clear()
+        self._ends.clear()

@@ -95,7 +95,8 @@ class LHDOptions(FrozenModel):
     prior: Annotated[float, Field(ge=0.0)] = 2.0
     """Pseudo-entries per class at the overall reuse rates (small classes borrow strength)."""
     recompute_every: Annotated[int, Field(ge=8, strict=True)] = 256
-    """Reuses between recomputations of the density table (also at 8, 16, 32, ... before)."""
+    """Entries and reuses between recomputations of the density table (also at the 8th, 16th,
+    32nd, ... reuse before): a workload that stops reusing a class is followed too."""
     decay_every: Annotated[int, Field(ge=16, strict=True)] = 8192
     """Reuses between halvings of the learned counts (follows a drifting workload)."""
     exposure_window: Annotated[int, Field(ge=1, strict=True)] = 32768
@@ -111,7 +112,7 @@ class LHDOptions(FrozenModel):
     """Scored events before the first switch."""
     guard_memory: Annotated[int, Field(ge=1, strict=True)] = 2000
     """Guard evidence decays by ``1 - 1/guard_memory`` per scored event."""
-    guard_confidence: Annotated[float, Field(ge=0.0, le=16.0)] = 1.5
+    guard_confidence: Annotated[float, Field(ge=0.0, le=16.0)] = 2.0
     """The ranking not in use takes over when its lead is this many standard deviations of the
     decayed evidence (switching back and forth on noise costs hits)."""
     ghost_entries: Annotated[int, Field(ge=0, strict=True)] = 16384

@@ -27,8 +27,9 @@ than an older one that is nearly there.
 
 Classes with few entries borrow from all classes: ``prior`` pseudo-entries at the overall rates.
 Counts halve every ``decay_every`` reuses so the model follows a drifting workload. The table is
-recomputed with NumPy (O(classes x bins^2)) every ``recompute_every`` reuses, and at 8, 16, 32,
-... reuses before that so it is useful early. Deterministic: a function of the call sequence.
+recomputed with NumPy (O(classes x bins^2)) every ``recompute_every`` entries and reuses (a class
+that stops being reused is seen through its entries alone), and at the 8th, 16th, 32nd, ...
+reuse before that so it is useful early. Deterministic: a function of the call sequence.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class ReuseModel:
         self._next = 0
         self._p = np.zeros((classes, bins))
         self.reuse_events = 0
+        self._since = 0  # entries and reuses since the last recomputation
         """Reuses reported so far (hits and ghost hits)."""
         self.density: list[list[float]] = [[0.0] * bins for _ in range(classes)]
         """Hits per token per tick of a candidate of a class at the start of an age bin."""
@@ -97,6 +99,9 @@ class ReuseModel:
             self._mature[old] += self._weights[i]
         self._times[i], self._classes_of[i], self._weights[i] = now, cls, 1.0
         self._next = (i + 1) % len(self._times)
+        self._since += 1
+        if self._since >= self._recompute_every and self.reuse_events >= 8:
+            self.recompute(now)
 
     def reused(self, cls: int, age: float, now: int) -> None:
         """A candidate that entered ``cls`` was reused at tick ``now``, ``age`` ticks after its
@@ -107,12 +112,14 @@ class ReuseModel:
             self._reuses *= 0.5
             self._mature *= 0.5
             self._weights *= 0.5
+        self._since += 1
         every = self._recompute_every
-        if n % every == 0 or (n < every and n >= 8 and n & (n - 1) == 0):
+        if self._since >= every or (n < every and n >= 8 and n & (n - 1) == 0):
             self.recompute(now)
 
     def recompute(self, now: int) -> None:
         """Rebuild the density table at tick ``now``."""
+        self._since = 0
         live = self._classes_of >= 0
         times, classes, weights = self._times[live], self._classes_of[live], self._weights[live]
         bins, n = self.bins, self.classes

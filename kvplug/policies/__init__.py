@@ -2,10 +2,10 @@
 
 One module per family; ``builtin`` holds the sort-key policies every engine knows (LRU, LFU,
 FIFO, MRU, FILO, priority, SLRU); ``arc``, ``s3fifo`` and ``lhd`` learn from feedback
-(:class:`~kvplug_hookspecs.FeedbackEvictionPolicy`), ``olru`` shifts LRU by learned reuse odds
-of conversation-turn classes; ``gdsf`` weighs recompute cost
-(:mod:`.cost`). New policies are new modules here, registered in
-:mod:`kvplug.plugins.policies`.
+(:class:`~kvplug_hookspecs.FeedbackEvictionPolicy`; ``lhd``'s model is :mod:`.reuse`, its guard
+against LRU :mod:`.shadow`), ``olru`` shifts LRU by learned reuse odds of conversation-turn
+classes; ``gdsf`` weighs recompute cost (:mod:`.cost`). New policies are new modules here,
+registered in :mod:`kvplug.plugins.policies`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ conversation*. On the Mooncake conversation trace a first turn is continued abou
 time, a turn that itself continued a conversation 40-70 % of the time (more the longer the
 conversation), and a leaf's tail that the next turn did not reuse (a split or trimmed tail) far
 less; hit counts say almost nothing (a continued leaf stops being a leaf). LRU ignores all of
-this; LHD's age histograms learned it too slowly to beat LRU.
+this. (``lhd`` learns the same classes' full reuse-age distributions and gains more.)
 
 How: a candidate's rank is ``last_access_time + credit[class]`` (smallest evicted first), with
 ``credit = tau * ln(p_class / p_all)``. Under a reuse hazard that decays with age roughly like

@@ -71,7 +71,7 @@ class ReuseModel:
         self.edges = np.array(edges, dtype=np.float64)
         """Age bin ``b`` holds ages in ``[edges[b], edges[b + 1])`` (the last: and beyond)."""
         self._width = np.diff(self.edges)
-        self._edges_np = self.edges[:bins]
+        self._edges_np = np.array(self._edges, dtype=np.int64)
         self._upper = np.triu(np.ones((bins, bins), dtype=bool))
         self._reuses = np.zeros((classes, bins))
         self._mature = np.zeros(classes)  # entries older than the window (weights)
@@ -120,8 +120,10 @@ class ReuseModel:
     def recompute(self, now: int) -> None:
         """Rebuild the density table at tick ``now``."""
         self._since = 0
-        live = self._classes_of >= 0
-        times, classes, weights = self._times[live], self._classes_of[live], self._weights[live]
+        times, classes, weights = self._times, self._classes_of, self._weights
+        if classes[-1] < 0:  # the window is not full yet
+            live = classes >= 0
+            times, classes, weights = times[live], classes[live], weights[live]
         bins, n = self.bins, self.classes
         # eligible[c, b]: entries of class c old enough to have reached age bin b
         reached = np.searchsorted(self._edges_np, now - times, side="right") - 1
@@ -150,14 +152,16 @@ class ReuseModel:
         # ratio[c, b, L] = sum(p[b..L]) / sum(occupied[b..L]) for L >= b
         num = cum_p[:, None, 1:] - cum_p[:, :-1, None]
         den = cum_o[:, None, 1:] - cum_o[:, :-1, None]
-        ratio = np.where(self._upper, num / np.where(self._upper, den, 1.0), 0.0)
+        ratio = np.divide(num, den, out=np.zeros_like(num), where=self._upper)
         rows = np.maximum(ratio.max(axis=2), 0.0)
-        table = np.repeat(rows[-1:], n, axis=0)  # unseen classes: the overall rates
-        table[used] = rows[:-1]
+        unseen = rows[-1].tolist()  # unseen classes: the overall rates (one shared row)
+        table = [unseen] * n
+        for cls, row in zip(used.tolist(), rows[:-1].tolist(), strict=True):
+            table[cls] = row
+        self.density = table
         full_p = np.repeat(p[-1:], n, axis=0)
         full_p[used] = p[:-1]
         self._p = full_p
-        self.density = table.tolist()
 
     def reuse_probability(self, cls: int) -> float:
         """The probability, at the last recomputation, that a candidate entering ``cls`` is

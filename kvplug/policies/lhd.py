@@ -45,9 +45,9 @@ shadow. LRU is in use at the start; the rankings swap when the shadow leads by
 ``guard_confidence`` standard deviations of the decayed evidence, so the policy falls back to
 LRU where the learned classes mislead (or the workload flips) and returns when they help.
 
-Measured (``benchmarks/bench_policies.py``, Mooncake conversation trace, page 1): 25.9 / 18.3 /
-7.6 % of the LRU-Belady gap closed at 1 / 3 / 5 % capacity; on five synthetic workloads up to
-+10 points over LRU and at most 0.09 points below it in any of 30 cells. The rest of the gap is
+Measured (``benchmarks/bench_policies.py``, Mooncake conversation trace, page 1): 25.1 / 20.4 /
+7.4 % of the LRU-Belady gap closed at 1 / 3 / 5 % capacity; on five synthetic workloads up to
++10 points over LRU, and level with or above LRU in all 30 cells. The rest of the gap is
 foresight no online feature gives: evicting first exactly what never comes back (knowing
 *whether*, not when) reaches a 28.6 % hit rate at 3 % capacity; this ranking with its class
 statistics taken from the whole trace in advance, about 16 %, no more than it learns online.

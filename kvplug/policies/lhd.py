@@ -65,12 +65,13 @@ from kvplug_hookspecs import EvictionCandidate, FeedbackEvictionPolicy, FrozenMo
 from .cost import CostModel
 from .heap import LazyHeap
 from .reuse import ReuseModel
-from .shadow import ShadowGuard
+from .shadow import Recency, ShadowGuard
 
 __all__ = ["LHDOptions", "LHDPolicy"]
 
 
 _TAIL = 0  # the class of split tails (when ``tail_class``)
+_SIBLINGS = 8  # evicted candidates remembered per start position (the latest)
 
 
 class LHDOptions(FrozenModel):
@@ -129,28 +130,6 @@ class _Gone(NamedTuple):
     end: int
     turn: int
     content_id: int
-
-
-class _Recency:
-    """The LRU ranking over a set of candidates."""
-
-    def __init__(self) -> None:
-        self.heap = LazyHeap()
-
-    def push(self, candidate: EvictionCandidate, cls: int) -> None:
-        self.heap.push(candidate, candidate.last_access_time)
-
-    def remove(self, candidate: EvictionCandidate) -> None:
-        self.heap.remove(candidate)
-
-    def victim(self) -> EvictionCandidate | None:
-        return self.heap.peek()
-
-    def clear(self) -> None:
-        self.heap.clear()
-
-    def __contains__(self, candidate: object) -> bool:
-        return candidate in self.heap
 
 
 class _Density:
@@ -244,7 +223,7 @@ class LHDPolicy(FeedbackEvictionPolicy):
         self._partial_first = o.partial_pages == "evict_first"
         self._partial = LazyHeap()  # partial pages, when they go first
         self._live: dict[EvictionCandidate, None] = {}
-        self._class: dict[EvictionCandidate, int] = {}  # live candidates and phantoms
+        self._class: dict[EvictionCandidate, int] = {}  # live (and popped, until settled)
         self._turn: dict[EvictionCandidate, int] = {}
         self._tail: dict[EvictionCandidate, None] = {}
         self._lineage: OrderedDict[tuple[object, int], int] = OrderedDict()
@@ -257,7 +236,7 @@ class LHDPolicy(FeedbackEvictionPolicy):
         self.use_learned = not o.guard
         """Whether the learned ranking is in use (else LRU; the guard switches)."""
         self._learned = _Density(self)
-        self._recency = _Recency()
+        self._recency = Recency()
         self.guard: ShadowGuard | None = None
         """The shadow of the ranking not in use (``None`` without ``guard``)."""
         if o.guard:
@@ -329,7 +308,7 @@ class LHDPolicy(FeedbackEvictionPolicy):
         guard.switched(self._recency if self.use_learned else self._learned, live)
 
     @property
-    def _active(self) -> _Density | _Recency:
+    def _active(self) -> _Density | Recency:
         return self._learned if self.use_learned else self._recency
 
     # -- feedback ------------------------------------------------------------------------------
@@ -409,7 +388,10 @@ class LHDPolicy(FeedbackEvictionPolicy):
             if len(self._below) > self.ghost_capacity:
                 self._below.popitem(last=False)
         gone = _Gone(cls, candidate.last_access_time, end, turn, cid)
-        self._gone.setdefault((namespace, candidate.depth), []).append(gone)
+        siblings = self._gone.setdefault((namespace, candidate.depth), [])
+        siblings.append(gone)
+        if len(siblings) > _SIBLINGS:  # e.g. every first turn below one system prompt
+            del siblings[0]
         if len(self._gone) > self.ghost_capacity:
             self._gone.popitem(last=False)
 

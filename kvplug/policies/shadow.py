@@ -32,7 +32,9 @@ from typing import Protocol
 
 from kvplug_hookspecs import CandidateStats, EvictionCandidate
 
-__all__ = ["Ranking", "ShadowGuard"]
+from .heap import LazyHeap
+
+__all__ = ["Ranking", "Recency", "ShadowGuard"]
 
 Position = tuple[object, int]  # (namespace, token position)
 
@@ -49,6 +51,28 @@ class Ranking(Protocol):
     def clear(self) -> None: ...
 
     def __contains__(self, candidate: object) -> bool: ...
+
+
+class Recency:
+    """The LRU ranking over a set of candidates (the guard's reference ranking)."""
+
+    def __init__(self) -> None:
+        self.heap = LazyHeap()
+
+    def push(self, candidate: EvictionCandidate, cls: int) -> None:
+        self.heap.push(candidate, candidate.last_access_time)
+
+    def remove(self, candidate: EvictionCandidate) -> None:
+        self.heap.remove(candidate)
+
+    def victim(self) -> EvictionCandidate | None:
+        return self.heap.peek()
+
+    def clear(self) -> None:
+        self.heap.clear()
+
+    def __contains__(self, candidate: object) -> bool:
+        return candidate in self.heap
 
 
 class ShadowGuard:

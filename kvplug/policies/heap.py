@@ -8,6 +8,7 @@ O(log N); stale entries are skipped on the way and compacted when they outnumber
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from typing import Any
 
 from kvplug_hookspecs import EvictionCandidate
@@ -34,6 +35,16 @@ class LazyHeap:
         if len(self._heap) > 2 * len(self._live) + 64:
             self._heap = list(self._live.values())
             heapq.heapify(self._heap)
+
+    def fill(self, items: Iterable[tuple[EvictionCandidate, Any]]) -> None:
+        """Push many ``(candidate, key)`` pairs at once: one O(N) heapify instead of N pushes
+        (a policy switching rankings refills a heap with every candidate)."""
+        self._stamp += 1
+        stamp, live = self._stamp, self._live
+        for candidate, key in items:
+            live[candidate] = (key, candidate.node_id, stamp, candidate)
+        self._heap = list(live.values())
+        heapq.heapify(self._heap)
 
     def remove(self, candidate: EvictionCandidate) -> bool:
         """Forget ``candidate``; ``False`` when it was not here."""

@@ -153,6 +153,20 @@ class _Density:
         oldest.push(candidate, candidate.last_access_time)
         self.youngest[cls].push(candidate, -candidate.last_access_time)
 
+    def fill(self, classes: dict[EvictionCandidate, int]) -> None:
+        by_class: dict[int, list[EvictionCandidate]] = {}
+        for candidate, cls in classes.items():
+            if candidate in self.members:
+                self.push(candidate, cls)
+            else:
+                by_class.setdefault(cls, []).append(candidate)
+        for cls, group in by_class.items():
+            self.members.update(dict.fromkeys(group, cls))
+            if cls not in self.oldest:
+                self.oldest[cls], self.youngest[cls] = LazyHeap(), LazyHeap()
+            self.oldest[cls].fill((c, c.last_access_time) for c in group)
+            self.youngest[cls].fill((c, -c.last_access_time) for c in group)
+
     def remove(self, candidate: EvictionCandidate) -> None:
         cls = self.members.pop(candidate, None)
         if cls is not None:
@@ -303,8 +317,7 @@ class LHDPolicy(FeedbackEvictionPolicy):
         active = self._active
         active.clear()
         live = {c: self._class[c] for c in self._live if c not in self._partial}
-        for candidate, cls in live.items():
-            active.push(candidate, cls)
+        active.fill(live)
         guard.switched(self._recency if self.use_learned else self._learned, live)
 
     @property

@@ -46,6 +46,10 @@ class Ranking(Protocol):
 
     def remove(self, candidate: EvictionCandidate) -> None: ...
 
+    def fill(self, classes: dict[EvictionCandidate, int]) -> None:
+        """Add many candidates (with their classes) at once."""
+        ...
+
     def victim(self) -> EvictionCandidate | None: ...
 
     def clear(self) -> None: ...
@@ -64,6 +68,9 @@ class Recency:
 
     def remove(self, candidate: EvictionCandidate) -> None:
         self.heap.remove(candidate)
+
+    def fill(self, classes: dict[EvictionCandidate, int]) -> None:
+        self.heap.fill((c, c.last_access_time) for c in classes)
 
     def victim(self) -> EvictionCandidate | None:
         return self.heap.peek()
@@ -209,8 +216,7 @@ class ShadowGuard:
         self.shadow = shadow
         self.clear()
         self.score = -self.score  # the evidence that made it switch, for the new ranking
-        for candidate, cls in live.items():
-            shadow.push(candidate, cls)
+        shadow.fill(live)
 
     def clear(self) -> None:
         self.shadow.clear()

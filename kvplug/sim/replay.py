@@ -193,7 +193,8 @@ def _stack_config(spec: RunSpec) -> KVCacheConfig:
     data["pool"] = pool
     if page > 1 and base.allocator.name in ("standard", "token"):
         data["allocator"] = {"name": "paged", "options": base.allocator.options}
-    if spec.policy != BELADY:
+    if spec.policy != BELADY and spec.policy != base.eviction_policy.name:
+        # another policy than the config's: the config's options are for its own policy
         data["eviction_policy"] = {"name": spec.policy, "options": {}}
     return load_config(data)
 

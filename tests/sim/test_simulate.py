@@ -197,3 +197,20 @@ def test_cli_reports_a_malformed_trace_line(tmp_path):
         app, ["simulate", "--trace", str(path), "--skip-bad", "--capacity", "1K", "--jobs", "1"]
     )
     assert skipped.exit_code == 0 and "skipped 1 malformed line" in skipped.output
+
+
+def test_the_configs_policy_keeps_its_options_and_other_policies_get_defaults():
+    """``--config`` with ``slru`` and its options, ``--policy slru,lru``: slru runs with the
+    config's options (they were dropped before), lru with its defaults (slru's would not fit)."""
+    from kvplug.sim.replay import _stack_config
+
+    config = {"eviction_policy": {"name": "slru", "options": {"protected_hits": 3}}}
+    specs = {
+        p: RunSpec(source=TraceSource(limit=5), policy=p, capacity_tokens=4096, config=config)
+        for p in ("slru", "lru")
+    }
+    assert _stack_config(specs["slru"]).eviction_policy.options == {"protected_hits": 3}
+    assert _stack_config(specs["lru"]).eviction_policy.name == "lru"
+    assert _stack_config(specs["lru"]).eviction_policy.options == {}
+    slru = run_one(specs["slru"])
+    assert slru.completed == 5

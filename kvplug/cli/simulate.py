@@ -24,6 +24,7 @@ from ..sim import (
     RunSpec,
     SimulationError,
     TraceSource,
+    check_names,
     parse_capacity,
     run_grid,
     trace_summary,
@@ -163,17 +164,7 @@ def simulate_command(
                 s.model_copy(update={"eviction": "full"}) for s in specs if s.policy == policies[0]
             ]
         for s in specs[:1]:  # names and options are checked before any worker starts
-            from ..sim.replay import _stack_config
-
-            _stack_config(
-                s.model_copy(update={"policy": policies[0] if policies[0] != BELADY else "lru"})
-            )
-        from ..registry import get_registry
-
-        registry = get_registry()
-        for p in policies:
-            if p != BELADY:
-                registry.get("eviction_policy", p)
+            check_names(s, policies)
     except (
         SimulationError,
         TraceError,

@@ -193,10 +193,17 @@ def _stack_config(spec: RunSpec) -> KVCacheConfig:
     data["pool"] = pool
     if page > 1 and base.allocator.name in ("standard", "token"):
         data["allocator"] = {"name": "paged", "options": base.allocator.options}
-    if spec.policy != BELADY and spec.policy != base.eviction_policy.name:
+    if spec.policy != BELADY and _policy(spec.policy) != _policy(base.eviction_policy.name):
         # another policy than the config's: the config's options are for its own policy
         data["eviction_policy"] = {"name": spec.policy, "options": {}}
     return load_config(data)
+
+
+def _policy(name: str) -> str:
+    """The canonical name of an eviction policy (names are case-blind and may be aliases)."""
+    from ..registry import get_registry
+
+    return get_registry().get("eviction_policy", name).name
 
 
 def check_names(spec: RunSpec, policies: list[str]) -> None:
@@ -204,7 +211,8 @@ def check_names(spec: RunSpec, policies: list[str]) -> None:
     from ..registry import get_registry
 
     registry = get_registry()
-    registry.resolve_config(_stack_config(spec.model_copy(update={"policy": "lru"})))
+    own = load_config(spec.config).eviction_policy.name  # its options are checked here too
+    registry.resolve_config(_stack_config(spec.model_copy(update={"policy": own})))
     for policy in policies:
         if policy != BELADY:
             registry.get("eviction_policy", policy)

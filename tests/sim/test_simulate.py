@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from kvplug.cli import app
@@ -14,6 +15,7 @@ from kvplug.sim import (
     RunSpec,
     SimulationError,
     TraceSource,
+    check_names,
     parse_capacity,
     run_one,
     trace_summary,
@@ -214,3 +216,21 @@ def test_the_configs_policy_keeps_its_options_and_other_policies_get_defaults():
     assert _stack_config(specs["lru"]).eviction_policy.options == {}
     slru = run_one(specs["slru"])
     assert slru.completed == 5
+    # an alias names the same policy: the config's "lifo" selection is kept for "filo"
+    alias = {"eviction_policy": {"name": "lifo", "options": {}}}
+    spec = specs["slru"].model_copy(update={"config": alias, "policy": "filo"})
+    assert _stack_config(spec).eviction_policy.name == "lifo"
+
+
+def test_the_configs_policy_options_are_checked_before_any_run(tmp_path):
+    """Bad options of the config's own policy fail up front, even when it is not replayed."""
+    config = {"eviction_policy": {"name": "slru", "options": {"protected_hits": -1}}}
+    spec = RunSpec(source=TraceSource(limit=5), policy="lru", capacity_tokens=4096, config=config)
+    with pytest.raises(ValidationError, match="protected_hits"):
+        check_names(spec, ["lru", BELADY])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(config))
+    args = ["simulate", "--config", str(path), "--policy", "lru", "--limit", "5"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert "protected_hits" in result.output

@@ -236,13 +236,9 @@ def compare_policies(
     print(f"{'workload':<10} {'N':>7} {'':>6} " + " ".join(f"{p:>15}" for p in names))
     for workload in ("shared", "multiturn"):
         for n in sizes:
-            stacks, keys = [], []
-            for policy in names:
-                rng = random.Random(0)
-                cache, allocator = build("kvplug", n, rng, policy)
-                maker = shared_prefix_keys if workload == "shared" else multiturn_keys
-                keys = maker(cache, rng, requests)
-                stacks.append((cache, allocator))
+            stacks = [build("kvplug", n, random.Random(0), policy) for policy in names]
+            maker = shared_prefix_keys if workload == "shared" else multiturn_keys
+            keys = maker(stacks[0][0], random.Random(1), requests)  # same prompts in every cache
             times: list[dict[str, list[float]]] = [
                 {"match": [], "evict": [], "insert": []} for _ in names
             ]

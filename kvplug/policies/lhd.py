@@ -156,10 +156,8 @@ class _Density:
     def fill(self, classes: dict[EvictionCandidate, int]) -> None:
         by_class: dict[int, list[EvictionCandidate]] = {}
         for candidate, cls in classes.items():
-            if candidate in self.members:
-                self.push(candidate, cls)
-            else:
-                by_class.setdefault(cls, []).append(candidate)
+            self.remove(candidate)  # a member moves to its (maybe new) class
+            by_class.setdefault(cls, []).append(candidate)
         for cls, group in by_class.items():
             self.members.update(dict.fromkeys(group, cls))
             if cls not in self.oldest:

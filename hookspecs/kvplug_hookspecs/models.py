@@ -180,12 +180,14 @@ class PrefixRemoved(FrozenModel):
     """Cached tokens were removed, because of eviction or of a window-side (SWA) eviction.
 
     ``block_hashes``: the removed pages' hashes (the ones their ``PrefixStored`` carried).
+    ``medium``: where they were removed from (``"GPU"``, or a storage tier's medium).
     """
 
     cache: str
     num_tokens: NonNegativeInt
     block_hashes: tuple[int, ...] = ()
     reason: Literal["evicted", "swa_evicted"] = "evicted"
+    medium: str = "GPU"
 
 
 class CacheCleared(FrozenModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvplug_hookspecs import (
     EvictionPolicy,
@@ -16,13 +16,16 @@ from kvplug_hookspecs import (
     KVCacheConfig,
     PrefixCache,
     PrefixCacheContext,
+    PrefixCacheRegistration,
     TokenAllocator,
 )
 
+from .errors import ConfigError
 from .eviction import evict_from_tree_cache
 
 if TYPE_CHECKING:
     from .registry import PluginRegistry
+    from .tiers import TierHierarchy
 
 __all__ = ["KVCacheStack", "build"]
 
@@ -40,6 +43,17 @@ class KVCacheStack:
     def pool(self) -> Any:
         """The allocator's KV pool (device tensors)."""
         return self.allocator.pool
+
+    @property
+    def storage(self) -> TierHierarchy | None:
+        """The storage hierarchy below the pool, or ``None`` without tiers."""
+        storage: TierHierarchy | None = getattr(self.prefix_cache, "storage", None)
+        return storage
+
+    def close(self) -> None:
+        """Store what the tiers still have queued and release them (a no-op without tiers)."""
+        if self.storage is not None:
+            self.storage.close()
 
     def evict_for(self, num_tokens: int) -> EvictResult | None:
         """Evict exactly the shortfall for a request of ``num_tokens`` slots."""
@@ -66,14 +80,33 @@ def build(
         config = load_config(config or {})
     registry = registry or get_registry()
     resolved = registry.resolve_config(config)
+    cache_reg = cast(PrefixCacheRegistration, resolved.prefix_cache.registration)
+    if resolved.storage_tiers and not cache_reg.storage_tiers:
+        raise ConfigError(
+            f"prefix cache {cache_reg.name!r} does not use storage tiers; "
+            "use 'radix' or 'block_hash', or remove storage.tiers"
+        )
 
     allocator = resolved.allocator.registration.factory(config.pool, resolved.allocator.options)
     new_policy = new_policy_factory(resolved.eviction_policy)
+    events = registry.cache_events()
+    storage = None
+    if resolved.storage_tiers:
+        from .tiers import build_hierarchy
+
+        tiers = resolved.storage_tiers
+
+        def storage(hash_function: str) -> TierHierarchy:
+            return build_hierarchy(
+                config, tiers, allocator.pool, registry, hash_function, observed=events is not None
+            )
+
     context = PrefixCacheContext(
         allocator=allocator,
         new_policy=new_policy,
         page_size=config.pool.page_size,
-        events=registry.cache_events(),
+        events=events,
+        storage=storage,
     )
     cache = resolved.prefix_cache.registration.factory(context, resolved.prefix_cache.options)
     return KVCacheStack(

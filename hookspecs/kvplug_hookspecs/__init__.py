@@ -17,6 +17,10 @@ from .models import (
     PoolGeometry,
     PrefixRemoved,
     PrefixStored,
+    StorageConfig,
+    TierCostModel,
+    TierNamespace,
+    TierStats,
 )
 from .policy_base import FeedbackEvictionPolicy, Ghost, KeyedEvictionPolicy
 from .protocols import (
@@ -35,11 +39,14 @@ from .registration import (
     ComponentRegistration,
     EvictionPolicyRegistration,
     PrefixCacheRegistration,
+    StorageTierRegistration,
 )
+from .tiers import PAGE_FORMAT_VERSION, PageData, StorageTier, TierContext
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PAGE_FORMAT_VERSION",
     "PROJECT_NAME",
     "TORCH_DTYPES",
     "AllocatorRegistration",
@@ -61,6 +68,7 @@ __all__ = [
     "KeyedEvictionPolicy",
     "MatchResult",
     "NoOptions",
+    "PageData",
     "PoolGeometry",
     "PrefixCache",
     "PrefixCacheContext",
@@ -68,6 +76,13 @@ __all__ = [
     "PrefixRemoved",
     "PrefixStored",
     "SWATokenAllocator",
+    "StorageConfig",
+    "StorageTier",
+    "StorageTierRegistration",
+    "TierContext",
+    "TierCostModel",
+    "TierNamespace",
+    "TierStats",
     "TokenAllocator",
     "hookimpl",
     "hookspec",

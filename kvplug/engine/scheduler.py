@@ -26,7 +26,7 @@ import inspect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -79,6 +79,7 @@ class SchedulerStats:
     preemptions: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)  # of hit_tokens, per tier
     output_tokens: int = 0
     cache_seconds: float = 0.0
     max_running: int = 0
@@ -313,6 +314,7 @@ class Scheduler:
         self.stats.cache_seconds += time.perf_counter() - t0
         request.status = RequestStatus.RUNNING
         request.prefix_len = request.computed = request.cached_tokens = prefix_len
+        request.tier_tokens = match.tier_tokens
         request.swa_freed = prefix_len
         request.node = match.last_node
         request.admitted_at = self._admissions
@@ -491,6 +493,8 @@ class Scheduler:
         stats.finished += 1
         stats.prompt_tokens += request.prompt_len
         stats.hit_tokens += request.cached_tokens
+        for tier, loaded in request.tier_tokens:
+            stats.tier_hit_tokens[tier] = stats.tier_hit_tokens.get(tier, 0) + loaded
         stats.output_tokens += len(request.output)
 
     # -- invariants --------------------------------------------------------------------------

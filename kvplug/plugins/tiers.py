@@ -1,4 +1,4 @@
-"""Built-in storage tiers: ``host``, ``disk``, ``redis``."""
+"""Built-in storage tiers: ``host``, ``disk``, ``redis``, and ``memory`` (simulations)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from kvplug_hookspecs import StorageTierRegistration, hookimpl
 
 from ..tiers.disk import DiskTier, DiskTierOptions
-from ..tiers.host import HostTier, HostTierOptions
+from ..tiers.host import HostTier, HostTierOptions, MemoryTierOptions, memory_tier
 from ..tiers.redis_tier import RedisTier, RedisTierOptions  # the client is imported when built
 
 
@@ -32,4 +32,10 @@ def kvplug_storage_tiers() -> Iterator[StorageTierRegistration]:
         options_model=RedisTierOptions,
         description="pages on a Redis/Valkey server shared by engines; pipelined, timeouts",
         aliases=("valkey",),
+    )
+    yield StorageTierRegistration(
+        name="memory",
+        factory=memory_tier,
+        options_model=MemoryTierOptions,
+        description="host memory under any tier's name and medium: a simulation's stand-in",
     )

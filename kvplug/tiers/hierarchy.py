@@ -72,10 +72,13 @@ class HierarchyStats:
     geometry when the pool keeps no KV (a simulator's bookkeeping tiers). ``demoted_pages``:
     pages stored below the device; ``dropped_pages``: demotions dropped (queue full, no tier
     up); ``corrupt_pages``: pages that failed their checks; ``failures[tier]``: tier calls that
-    raised; ``skipped_pages``: located pages recomputed because loading them would be slower.
+    raised; ``skipped_pages``: located pages recomputed because loading them would be slower;
+    ``load_seconds[tier]``: the modelled time of every load (the tier's latency per call and
+    its bandwidth), what the cost model set against recomputing.
     """
 
     hit_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    load_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     located_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     transfer_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -88,6 +91,7 @@ class HierarchyStats:
         return {
             "hit_tokens": dict(self.hit_tokens),
             "located_tokens": dict(self.located_tokens),
+            "load_seconds": dict(self.load_seconds),
             "transfer_bytes": dict(self.transfer_bytes),
             "failures": dict(self.failures),
             "demoted_pages": self.demoted_pages,
@@ -326,10 +330,12 @@ class TierHierarchy:
                 verified.append(page)
                 good += 1
             if good:
+                moved = good * self.page_size * self._bpt
                 per_tier.append((tier.name, good * self.page_size))
                 self.stats.hit_tokens[tier.name] += good * self.page_size
-                self.stats.transfer_bytes[f"{tier.medium}_to_{DEVICE_MEDIUM}"] += (
-                    good * self.page_size * self._bpt
+                self.stats.transfer_bytes[f"{tier.medium}_to_{DEVICE_MEDIUM}"] += moved
+                self.stats.load_seconds[tier.name] += (
+                    tier.latency_s + moved / tier.bandwidth_bytes_per_s
                 )
             if good < count:
                 break

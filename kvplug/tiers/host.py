@@ -23,7 +23,7 @@ from kvplug_hookspecs import (
     TierStats,
 )
 
-__all__ = ["HostTier", "HostTierOptions"]
+__all__ = ["HostTier", "HostTierOptions", "MemoryTierOptions", "memory_tier"]
 
 
 class HostTierOptions(FrozenModel):
@@ -39,6 +39,20 @@ class HostTierOptions(FrozenModel):
     eviction_policy: ComponentSelection = ComponentSelection(name="lru")
     latency_s: float = Field(default=10e-6, ge=0)
     bandwidth_bytes_per_s: float = Field(default=25e9, gt=0)
+
+
+class MemoryTierOptions(HostTierOptions):
+    """Options of the ``memory`` tier: a host tier that stands in for any medium (a simulation
+    of a disk or a Redis server without one): ``label`` is its name in reports and hit counts,
+    ``medium`` what its events report."""
+
+    label: str = "memory"
+    medium: str = "CPU"
+
+
+def memory_tier(context: TierContext, options: MemoryTierOptions) -> HostTier:
+    """The ``memory`` tier: pages in host memory under another tier's name and medium."""
+    return HostTier(context, options, name=options.label, medium=options.medium)
 
 
 class _HostPage(CandidateStats):
@@ -59,8 +73,16 @@ class HostTier:
     name = "host"
     medium = "CPU"
 
-    def __init__(self, context: TierContext, options: HostTierOptions | None = None) -> None:
+    def __init__(
+        self,
+        context: TierContext,
+        options: HostTierOptions | None = None,
+        *,
+        name: str = "host",
+        medium: str = "CPU",
+    ) -> None:
         options = options or HostTierOptions()
+        self.name, self.medium = name, medium
         self.latency_s = options.latency_s
         self.bandwidth_bytes_per_s = options.bandwidth_bytes_per_s
         self.capacity_tokens = options.capacity_tokens

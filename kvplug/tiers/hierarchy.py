@@ -294,53 +294,86 @@ class TierHierarchy:
         self, keys: Sequence[bytes], tokens: Sequence[tuple[int, ...]], runs: list[tuple[int, int]]
     ) -> tuple[list[PageData], list[tuple[str, int]]]:
         """Read the pages of ``runs`` and check each one; return the verified pages from the
-        first (stopping at the first missing or failing page) and the tokens per tier.
+        first (stopping at the first page no tier has, or one that fails its checks) and the
+        tokens per tier, in load order.
 
-        A page that fails its checks is removed from its tier and counted.
+        A page its planned tier no longer has (pushed down since ``locate``, e.g. by the
+        demotions of the eviction that made room for this load) is looked for in the other
+        tiers. A page that fails its checks is removed from its tier and counted.
         """
+        planned = [i for i, count in runs for _ in range(count)]
         verified: list[PageData] = []
         per_tier: list[tuple[str, int]] = []
         pos = 0
-        for i, count in runs:
-            tier = self.tiers[i]
-            got = self._get(i, list(keys[pos : pos + count]))
-            good = 0
-            for j, page in enumerate(got):
-                if page is None:
-                    break
-                try:
-                    check_page(
-                        self.namespace_id,
-                        page,
-                        keys[pos + j],
-                        tokens[pos + j],
-                        self._kv_shape,
-                        self._kv_dtype,
-                    )
-                except CorruptPageError as exc:
-                    log.warning(
-                        "storage tier %r: discarding page %s: %s",
-                        tier.name,
-                        keys[pos + j].hex()[:16],
-                        exc,
-                    )
-                    self.stats.corrupt_pages += 1
-                    self._call(i, "remove", functools.partial(tier.remove, [keys[pos + j]]), 0)
-                    break
-                verified.append(page)
-                good += 1
-            if good:
-                moved = good * self.page_size * self._bpt
-                per_tier.append((tier.name, good * self.page_size))
-                self.stats.hit_tokens[tier.name] += good * self.page_size
-                self.stats.transfer_bytes[f"{tier.medium}_to_{DEVICE_MEDIUM}"] += moved
-                self.stats.load_seconds[tier.name] += (
-                    tier.latency_s + moved / tier.bandwidth_bytes_per_s
+        while pos < len(planned):
+            first = planned[pos]
+            end = pos
+            while end < len(planned) and planned[end] == first:
+                end += 1
+            good, corrupt = 0, False
+            for i in [first, *(t for t in range(len(self.tiers)) if t != first)]:
+                if not self._usable(i):
+                    continue
+                good, corrupt = self._load_run(
+                    i, keys, tokens, pos, end if i == first else len(planned), verified
                 )
-            if good < count:
+                if good or corrupt:
+                    if good:
+                        self._count_load(i, good, per_tier)
+                    break
+            if corrupt or not good:
                 break
-            pos += count
+            pos += good
         return verified, per_tier
+
+    def _load_run(
+        self,
+        i: int,
+        keys: Sequence[bytes],
+        tokens: Sequence[tuple[int, ...]],
+        start: int,
+        end: int,
+        verified: list[PageData],
+    ) -> tuple[int, bool]:
+        """Read ``keys[start:end]`` from tier ``i``; append the verified leading pages. Returns
+        how many, and whether a page failed its checks (then removed, counted)."""
+        tier = self.tiers[i]
+        good = 0
+        for j, page in enumerate(self._get(i, list(keys[start:end]))):
+            if page is None:
+                break
+            try:
+                check_page(
+                    self.namespace_id,
+                    page,
+                    keys[start + j],
+                    tokens[start + j],
+                    self._kv_shape,
+                    self._kv_dtype,
+                )
+            except CorruptPageError as exc:
+                key = keys[start + j]
+                log.warning(
+                    "storage tier %r: discarding page %s: %s", tier.name, key.hex()[:16], exc
+                )
+                self.stats.corrupt_pages += 1
+                self._call(i, "remove", functools.partial(tier.remove, [key]), 0)
+                return good, True
+            verified.append(page)
+            good += 1
+        return good, False
+
+    def _count_load(self, i: int, pages: int, per_tier: list[tuple[str, int]]) -> None:
+        tier = self.tiers[i]
+        tokens = pages * self.page_size
+        moved = tokens * self._bpt
+        if per_tier and per_tier[-1][0] == tier.name:
+            per_tier[-1] = (tier.name, per_tier[-1][1] + tokens)
+        else:
+            per_tier.append((tier.name, tokens))
+        self.stats.hit_tokens[tier.name] += tokens
+        self.stats.transfer_bytes[f"{tier.medium}_to_{DEVICE_MEDIUM}"] += moved
+        self.stats.load_seconds[tier.name] += tier.latency_s + moved / tier.bandwidth_bytes_per_s
 
     # -- demotion ---------------------------------------------------------------------------
 

@@ -531,18 +531,23 @@ class RadixCache(BuiltFromContext):
         storage, hashes, page = self.storage, self._hashes, self.page_size
         assert storage is not None and hashes is not None
         for leaf, parent in removed:
-            digests = hashes.digests(leaf)
             first_parent = None if parent is self.root else hashes.digests(parent)[-1]
+            digests = hashes.digests(leaf, parent)
             demote_pages(storage, digests, leaf.key, first_parent, leaf.value, page)
         if cut is not None:
             leaf, key, path_value, _ = cut
-            digests = hashes.digests(leaf)
-            keep = leaf.num_tokens // page
+            keep = leaf.num_tokens // page  # the leaf was cut to its first ``keep`` pages
+            digests = hashes.digests(leaf)  # all its pages if known before, else the kept ones
+            head_last = digests[keep - 1]
+            tail = key[leaf.num_tokens :]
+            cut_digests = digests[keep:] or list(
+                iter_chain(_SHA256, head_last, tail, page, len(tail) // page)
+            )
             demote_pages(
                 storage,
-                digests[keep:],
-                key[leaf.num_tokens :],
-                digests[keep - 1],
+                cut_digests,
+                tail,
+                head_last,
                 path_value[leaf.depth + leaf.num_tokens :],
                 page,
             )

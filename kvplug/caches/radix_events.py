@@ -63,21 +63,26 @@ class RadixBlockHashes:
         self._hasher = hasher_for("sha256")
         self._digests: dict[RadixNode, list[bytes]] = {}
 
-    def digests(self, node: RadixNode) -> list[bytes]:
-        """The digests of ``node``'s pages (computed, and those of uncached ancestors, once)."""
+    def digests(self, node: RadixNode, parent: RadixNode | None = None) -> list[bytes]:
+        """The digests of ``node``'s pages (computed, and those of uncached ancestors, once).
+
+        ``parent``: the node ``node`` hung from, for a leaf an eviction just unlinked.
+        """
         known = self._digests
-        missing = []
-        up: RadixNode | None = node
+        if node in known:
+            return known[node]
+        missing = [node]
+        up: RadixNode | None = node.parent if node.parent is not None else parent
         while up is not None and up is not self._root and up not in known:
             missing.append(up)
             up = up.parent
         if up is None:
             raise ValueError(f"{node!r} is not in the tree these hashes describe")
-        parent = seed(self._hasher, node.namespace) if up is self._root else known[up][-1]
+        chain = seed(self._hasher, node.namespace) if up is self._root else known[up][-1]
         for n in reversed(missing):
             pages = n.num_tokens // self._page
-            known[n] = list(iter_chain(self._hasher, parent, n.key, self._page, pages))
-            parent = known[n][-1]
+            known[n] = list(iter_chain(self._hasher, chain, n.key, self._page, pages))
+            chain = known[n][-1]
         return known[node]
 
     def split(self, head: RadixNode, tail: RadixNode) -> None:
@@ -90,8 +95,7 @@ class RadixBlockHashes:
     def stored(self, leaf: RadixNode) -> None:
         """Report the new leaf ``leaf`` (just linked under its parent)."""
         if self._events is None:
-            self.digests(leaf)  # known from now on: an eviction's demotion reads them
-            return
+            return  # digests alone: computed when a match or a demotion first needs them
         parent = leaf.parent
         parent_hash = None
         if parent is not None and parent is not self._root:
@@ -115,10 +119,12 @@ class RadixBlockHashes:
         known = self._digests
         hashes: list[int] = []
         for leaf in leaves:
-            hashes.extend(map(event_hash, known.pop(leaf)))
-        if cut is not None:
+            digests = known.pop(leaf, None)  # unknown: never matched or observed (no events)
+            if digests is not None:
+                hashes.extend(map(event_hash, digests))
+        if cut is not None and cut in known:
             digests = known[cut]
-            keep = len(digests) - cut_pages
+            keep = cut.num_tokens // self._page  # the pages it kept
             hashes.extend(map(event_hash, digests[keep:]))
             known[cut] = digests[:keep]
         if self._events is None:

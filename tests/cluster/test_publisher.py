@@ -14,7 +14,7 @@ import zmq
 
 import kvplug
 from kvplug.cluster.publisher import ZmqEventPublisher
-from kvplug.cluster.wire import BlockStored, EventBatcher, decoder
+from kvplug.cluster.wire import EventBatcher, decoder
 from kvplug_hookspecs import CacheKey, KVEventsConfig, PrefixStored
 from tests.cluster.subscriber import Subscriber
 from tests.cluster.workload import CACHES, cached_block_hashes, publishing_config, random_run

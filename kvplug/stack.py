@@ -82,6 +82,7 @@ def build(
     raise ``pydantic.ValidationError`` from the plugin's own options model. Nothing is allocated
     before every name and option has been validated.
     """
+    from .caches.block_hashing import make_hasher
     from .config import load_config
     from .events import HookEvents
     from .registry import get_registry, new_policy_factory
@@ -105,6 +106,7 @@ def build(
             new_policy=new_policy,
             page_size=config.pool.page_size,
             events=HookEvents.joined(registry.cache_events(), sinks),
+            block_hasher=None if config.block_hash is None else make_hasher(config.block_hash),
         )
         cache = resolved.prefix_cache.registration.factory(context, resolved.prefix_cache.options)
         stack = KVCacheStack(

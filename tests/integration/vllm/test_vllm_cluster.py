@@ -104,15 +104,15 @@ def test_replay_with_vllms_classes_recovers_a_gap():
 
 def _pairs() -> list[tuple[Any, Any]]:
     """The same batches built from kvplug's structs and from vLLM's."""
-    stored = dict(
-        block_hashes=[1, 2**64 - 1],
-        parent_block_hash=None,
-        token_ids=[5, 6, 7, 8],
-        block_size=2,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+    stored = {
+        "block_hashes": [1, 2**64 - 1],
+        "parent_block_hash": None,
+        "token_ids": [5, 6, 7, 8],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
     pairs = []
     for parent, medium, lora, rank in (
         (None, "GPU", None, None),

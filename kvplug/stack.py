@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvplug_hookspecs import (
     EvictionPolicy,
@@ -16,13 +16,16 @@ from kvplug_hookspecs import (
     KVCacheConfig,
     PrefixCache,
     PrefixCacheContext,
+    PrefixCacheRegistration,
     TokenAllocator,
 )
 
+from .errors import ConfigError
 from .eviction import evict_from_tree_cache
 
 if TYPE_CHECKING:
     from .registry import PluginRegistry
+    from .tiers import TierHierarchy
 
 __all__ = ["KVCacheStack", "build"]
 
@@ -48,6 +51,12 @@ class KVCacheStack:
         """The allocator's KV pool (device tensors)."""
         return self.allocator.pool
 
+    @property
+    def storage(self) -> TierHierarchy | None:
+        """The storage hierarchy below the pool, or ``None`` without tiers."""
+        storage: TierHierarchy | None = getattr(self.prefix_cache, "storage", None)
+        return storage
+
     def evict_for(self, num_tokens: int) -> EvictResult | None:
         """Evict exactly the shortfall for a request of ``num_tokens`` slots."""
         return evict_from_tree_cache(self.prefix_cache, num_tokens)
@@ -58,7 +67,10 @@ class KVCacheStack:
             observer.end_step()
 
     def close(self) -> None:
-        """Stop the observers' background work (publisher thread, metrics server)."""
+        """Store what the tiers still have queued and release them, then stop the observers'
+        background work (publisher thread, after sending what is queued; metrics server)."""
+        if self.storage is not None:
+            self.storage.close()
         for observer in self.observers:
             observer.close()
 
@@ -91,9 +103,27 @@ def build(
         config = load_config(config or {})
     registry = registry or get_registry()
     resolved = registry.resolve_config(config)
+    cache_reg = cast(PrefixCacheRegistration, resolved.prefix_cache.registration)
+    if resolved.storage_tiers and not cache_reg.storage_tiers:
+        raise ConfigError(
+            f"prefix cache {cache_reg.name!r} does not use storage tiers; "
+            "use 'radix' or 'block_hash', or remove storage.tiers"
+        )
 
     allocator = resolved.allocator.registration.factory(config.pool, resolved.allocator.options)
     new_policy = new_policy_factory(resolved.eviction_policy)
+    events = registry.cache_events()
+    storage = None
+    if resolved.storage_tiers:
+        from .tiers import build_hierarchy
+
+        tiers = resolved.storage_tiers
+
+        def storage(hash_function: str) -> TierHierarchy:
+            return build_hierarchy(
+                config, tiers, allocator.pool, registry, hash_function, observed=events is not None
+            )
+
     observers: list[Any] = []
     if config.kv_events.enabled or config.metrics is not None:
         from .cluster.observers import observers_for  # the cluster extra, only when asked for
@@ -105,8 +135,9 @@ def build(
             allocator=allocator,
             new_policy=new_policy,
             page_size=config.pool.page_size,
-            events=HookEvents.joined(registry.cache_events(), sinks),
+            events=HookEvents.joined(events, sinks),
             block_hasher=None if config.block_hash is None else make_hasher(config.block_hash),
+            storage=storage,
         )
         cache = resolved.prefix_cache.registration.factory(context, resolved.prefix_cache.options)
         stack = KVCacheStack(

@@ -20,6 +20,10 @@ from .models import (
     PoolGeometry,
     PrefixRemoved,
     PrefixStored,
+    StorageConfig,
+    TierCostModel,
+    TierNamespace,
+    TierStats,
 )
 from .policy_base import FeedbackEvictionPolicy, Ghost, KeyedEvictionPolicy
 from .protocols import (
@@ -38,11 +42,14 @@ from .registration import (
     ComponentRegistration,
     EvictionPolicyRegistration,
     PrefixCacheRegistration,
+    StorageTierRegistration,
 )
+from .tiers import PAGE_FORMAT_VERSION, PageData, StorageTier, TierContext
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PAGE_FORMAT_VERSION",
     "PROJECT_NAME",
     "TORCH_DTYPES",
     "AllocatorRegistration",
@@ -67,6 +74,7 @@ __all__ = [
     "MatchResult",
     "MetricsConfig",
     "NoOptions",
+    "PageData",
     "PoolGeometry",
     "PrefixCache",
     "PrefixCacheContext",
@@ -74,6 +82,13 @@ __all__ = [
     "PrefixRemoved",
     "PrefixStored",
     "SWATokenAllocator",
+    "StorageConfig",
+    "StorageTier",
+    "StorageTierRegistration",
+    "TierContext",
+    "TierCostModel",
+    "TierNamespace",
+    "TierStats",
     "TokenAllocator",
     "hookimpl",
     "hookspec",

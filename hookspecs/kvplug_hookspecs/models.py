@@ -6,6 +6,8 @@ naming the field; nothing is silently clamped or dropped.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -26,6 +28,10 @@ __all__ = [
     "PoolGeometry",
     "PrefixRemoved",
     "PrefixStored",
+    "StorageConfig",
+    "TierCostModel",
+    "TierNamespace",
+    "TierStats",
 ]
 
 NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
@@ -248,8 +254,108 @@ class BlockHashConfig(FrozenModel):
         return self
 
 
+class TierNamespace(FrozenModel):
+    """Everything that makes two engines' KV pages incompatible.
+
+    ``id`` (a hex digest of all fields) prefixes every key a tier stores: a Redis key, a disk
+    directory. Two engines share pages only when every field is equal.
+    """
+
+    model_id: str
+    num_layers: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    dtype: str
+    page_size: PositiveInt
+    hash_function: str
+
+    @property
+    def id(self) -> str:
+        """24 hex digits of SHA-256 over the fields (stable across processes and machines)."""
+        data = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(data).hexdigest()[:24]
+
+
+class TierCostModel(FrozenModel):
+    """When loading a page beats recomputing it (the hierarchy's load policy).
+
+    Recomputing ``n`` tokens at depth ``d`` costs ``n / prefill_tokens_per_s`` seconds, times
+    ``1 + quadratic * (d + n/2)`` for attention's growth with depth. Loading them from a tier
+    costs the tier's ``latency_s`` plus ``n * kv_bytes_per_token / bandwidth_bytes_per_s``.
+    ``kv_bytes_per_token`` defaults to the pool geometry's (``2 x layers x kv_heads x head_dim x
+    dtype size``). A run of pages is loaded only when its load time is below its recompute time.
+    The defaults describe an 8B-class model on one H100-class GPU: measure your own.
+    """
+
+    prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
+    quadratic: float = Field(default=0.0, ge=0)
+    kv_bytes_per_token: PositiveInt | None = None
+
+    def recompute_s(self, num_tokens: int, depth: int) -> float:
+        """Seconds to prefill ``num_tokens`` new tokens after ``depth`` cached ones."""
+        scale = 1 + self.quadratic * (depth + num_tokens / 2)
+        return num_tokens / self.prefill_tokens_per_s * scale
+
+
+class StorageConfig(FrozenModel):
+    """The storage hierarchy of an engine config: tiers from fastest to slowest, and policies.
+
+    ``tiers``: each ``{name, options}`` validated by its plugin's options model (e.g.
+    ``[{name = "host", options = {capacity_tokens = 1048576}}, "disk"]``). No tiers (the
+    default): the caches behave exactly as without this feature and pay nothing.
+    ``write_policy``: ``write_back`` demotes a page when the device evicts it; ``write_through``
+    stores every page when it is inserted (as SGLang HiCache offers), so an eviction moves nothing.
+    ``min_load_pages``: a tier run shorter than this is recomputed, not loaded.
+    ``model_id``: part of the namespace (give the model's name: two models with the same geometry
+    must not share KV). ``queue_pages``: the background demotion queue's bound; a demotion that
+    finds it full is dropped and counted, never waited for. ``background=False`` demotes on the
+    caller's thread (a simulator's bookkeeping tiers, deterministic tests).
+    """
+
+    tiers: tuple[ComponentSelection, ...] = ()
+    write_policy: Literal["write_back", "write_through"] = "write_back"
+    min_load_pages: PositiveInt = 1
+    cost: TierCostModel = TierCostModel()
+    model_id: str = "default"
+    queue_pages: PositiveInt = 4096
+    background: bool = True
+
+    @model_validator(mode="after")
+    def _distinct_tiers(self) -> StorageConfig:
+        names = [tier.name for tier in self.tiers]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"storage tier {repeated[0]!r} is listed twice")
+        return self
+
+
+class TierStats(FrozenModel):
+    """A tier's counters (``stats()``); names follow vLLM's ``kv_offload`` and Dynamo's KVBM.
+
+    ``pages``/``tokens``/``bytes`` are what the tier holds now; ``stored_*`` what was written,
+    ``loaded_*`` what was read for a hit; ``evicted_pages`` what its own bound pushed out;
+    ``failures`` calls that raised (connection refused, timeouts, a full disk); ``corrupt_pages``
+    pages that failed their checks (discarded).
+    """
+
+    name: str
+    medium: str
+    pages: NonNegativeInt = 0
+    tokens: NonNegativeInt = 0
+    bytes: NonNegativeInt = 0
+    capacity_tokens: NonNegativeInt | None = None
+    stored_pages: NonNegativeInt = 0
+    stored_bytes: NonNegativeInt = 0
+    loaded_pages: NonNegativeInt = 0
+    loaded_bytes: NonNegativeInt = 0
+    evicted_pages: NonNegativeInt = 0
+    failures: NonNegativeInt = 0
+    corrupt_pages: NonNegativeInt = 0
+
+
 class KVCacheConfig(FrozenModel):
-    """The engine's KV-cache configuration: which plugins to use, and the pool geometry.
+    """The engine's KV-cache configuration: which plugins to use, the pool geometry, and the
+    storage hierarchy below the pool (``storage``; none by default).
 
     Structure is validated here; each ``options`` dict is validated by the selected plugin's
     options model when the registry resolves the config (``kvplug.build`` or
@@ -260,6 +366,7 @@ class KVCacheConfig(FrozenModel):
     prefix_cache: ComponentSelection = ComponentSelection(name="radix")
     eviction_policy: ComponentSelection = ComponentSelection(name="lru")
     pool: PoolGeometry = PoolGeometry()
+    storage: StorageConfig = StorageConfig()
     block_hash: BlockHashConfig | None = None
     kv_events: KVEventsConfig = KVEventsConfig()
     metrics: MetricsConfig | None = None
@@ -273,7 +380,8 @@ class PrefixStored(FrozenModel):
     ``parent_block_hash``: the hash of the cached page the first new page follows (``None`` at
     the start of a prefix). ``token_ids``: the new pages' tokens (``num_tokens`` of them), so a
     consumer (a cache-aware router) can rebuild the chain, as with vLLM's and SGLang's
-    ``BlockStored``.
+    ``BlockStored``. ``medium``: where the pages now live, in vLLM's spelling (``"GPU"`` for the
+    device pool; a storage tier reports its own, e.g. ``"CPU"``, ``"Disk"``).
     """
 
     cache: str
@@ -282,6 +390,7 @@ class PrefixStored(FrozenModel):
     extra_key: str | None = None
     parent_block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    medium: str = "GPU"
 
 
 class PrefixRemoved(FrozenModel):

@@ -25,8 +25,9 @@ The evictable blocks are the configured policy's candidate set, maintained incre
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -59,8 +60,14 @@ from .common import (
     release_ownership,
     take_ownership,
 )
+from .tiered import emit_tier_events, load_pages
+
+if TYPE_CHECKING:
+    from ..tiers import TierHierarchy
 
 __all__ = ["Block", "BlockHashCache", "BlockHashOptions"]
+
+log = logging.getLogger(__name__)
 
 _EMPTY = b""
 
@@ -81,7 +88,8 @@ class Block(CandidateStats):
 
     ``ref_count`` counts the running requests holding it; ``num_children`` the cached blocks
     chained from it. It is in the policy's evictable set exactly when both are zero.
-    ``own_locks`` counts the locks taken with this block as the handle.
+    ``own_locks`` counts the locks taken with this block as the handle. ``token_ids``: its
+    tokens, kept only when the cache has storage tiers (a demoted page carries them).
     """
 
     __slots__ = (
@@ -92,6 +100,7 @@ class Block(CandidateStats):
         "own_locks",
         "parent",
         "ref_count",
+        "token_ids",
     )
 
     def __init__(
@@ -113,6 +122,7 @@ class Block(CandidateStats):
         self.ref_count = 0
         self.num_children = 0
         self.own_locks = 0
+        self.token_ids: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return (
@@ -142,6 +152,7 @@ class BlockHashCache(BuiltFromContext):
         events: CacheEvents | None = None,
         block_hasher: block_hashing.BlockHasher | None = None,
         options: BlockHashOptions | None = None,
+        storage: Callable[[str], TierHierarchy] | None = None,
     ) -> None:
         options = cache_options("block_hash", options, BlockHashOptions)
         page_size = cache_page_size(page_size, allocator)
@@ -158,6 +169,8 @@ class BlockHashCache(BuiltFromContext):
         """How blocks are hashed: kvplug's scheme with ``hash_algorithm``, or the config's
         ``block_hash`` (which wins over ``hash_algorithm`` when given)."""
         self._clock = 0
+        # the storage hierarchy below the pool (keys: the block digests), or None
+        self.storage: TierHierarchy | None = storage(self.block_hasher.name) if storage else None
         self._init_state()
 
     def _init_state(self) -> None:
@@ -224,11 +237,82 @@ class BlockHashCache(BuiltFromContext):
             self.stats.match_queries += 1
             self.stats.match_query_tokens += len(ids)
             self.stats.hit_tokens += prefix_len
+        tier_tokens: tuple[tuple[str, int], ...] = ()
+        if self.storage is not None:
+            matched, tier_tokens = self._match_tiers(ids, extra_key, matched, record_hit)
+            prefix_len = len(matched) * self.page_size
         return MatchResult(
             device_indices=self._gather(matched) if gather else self._empty,
             last_node=matched[-1] if matched else self.root,
             prefix_len=prefix_len,
+            tier_tokens=tier_tokens,
         )
+
+    # ----------------------------------------------------------------------------- tiers
+    def _match_tiers(
+        self, ids: tuple[int, ...], extra_key: str | None, matched: list[Block], record_hit: bool
+    ) -> tuple[list[Block], tuple[tuple[str, int], ...]]:
+        """Continue a device match through the storage tiers (see ``kvplug.caches.tiered``):
+        a probe locates; a match loads, inserts and returns the longer chain."""
+        storage = self.storage
+        assert storage is not None
+        if self.events is not None:
+            emit_tier_events(storage, self.events, self.name, self.block_hasher.event_hash)
+        page = self.page_size
+        pos = len(matched) * page
+        remaining = len(ids) // page - len(matched)
+        if remaining <= 0:
+            return matched, ()
+        parent = matched[-1].digest if matched else self._seed(extra_key)
+        digests = self.block_hasher.chain(parent, ids[pos:], page, remaining, extra_key)
+        keys, runs = storage.locate(digests)
+        if not runs:
+            return matched, ()
+        if not record_hit:
+            found = tuple((storage.tiers[i].name, count * page) for i, count in runs)
+            for name, tokens in found:
+                storage.stats.located_tokens[name] += tokens
+            return matched, found
+        handle = matched[-1] if matched else None
+        if handle is not None:
+            self.inc_lock_ref(handle)
+        try:
+            loaded = load_pages(self, storage, keys, runs, ids, pos)
+            if loaded is None:
+                return matched, ()
+            slots, per_tier = loaded
+            new_end = pos + slots.numel()
+            try:
+                self.insert(
+                    CacheKey(ids[:new_end], extra_key),
+                    torch.cat((self._gather(matched), slots)),
+                    hits_after=pos,
+                )
+            except BaseException:
+                self.allocator.free(slots)  # insert changed nothing: the slots are still ours
+                raise
+        finally:
+            if handle is not None:
+                self.dec_lock_ref(handle)
+        chain = matched + [self._blocks[k] for k in keys[: slots.numel() // page]]
+        return chain, tuple(per_tier)
+
+    def _demote(self, pairs: list[tuple[Block, Block | None]]) -> None:
+        """Hand ``(block, parent)`` pairs about to be freed (or just cached, write-through) to
+        the storage tiers."""
+        storage = self.storage
+        assert storage is not None
+        try:
+            blocks = [b for b, _ in pairs]
+            parents = [None if p is None or p is self.root else p.digest for _, p in pairs]
+            storage.demote(
+                [b.digest for b in blocks],
+                [b.token_ids for b in blocks],
+                parents,
+                self._gather(blocks),
+            )
+        except Exception:  # never fails the cache's operation: the pages are recomputed
+            log.exception("block_hash: demoting %d blocks failed", len(blocks))
 
     def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
         """Refresh the recency of ``key``'s cached blocks; no hit, no query counted."""
@@ -348,6 +432,9 @@ class BlockHashCache(BuiltFromContext):
                     block.content_id, block.new_tokens = block_hash or 1, added
                     if hits_after is not None and (num_cached + i + 1) * page > hits_after:
                         block.hit_count = 1
+                    if self.storage is not None:
+                        start = (num_cached + i) * page
+                        block.token_ids = ids[start : start + page]
                     blocks[digest] = block
                     new_blocks.append(block)
                     parent.num_children += 1
@@ -370,6 +457,8 @@ class BlockHashCache(BuiltFromContext):
         if not new_blocks:
             return cached_len
         new_tokens = len(new_blocks) * page
+        if self.storage is not None and self.storage.write_through:
+            self._demote([(b, b.parent) for b in new_blocks])
         self._evictable_tokens += new_tokens
         self.stats.inserted_tokens += new_tokens
         if self.events is not None:
@@ -432,6 +521,8 @@ class BlockHashCache(BuiltFromContext):
                     parent.num_children -= 1
                     if parent.num_children == 0 and parent.ref_count == 0:
                         policy.add(parent)
+            if victims and self.storage is not None and not self.storage.write_through:
+                self._demote(list(victims))
             if victims:
                 in_free = True
                 self.allocator.free(self._gather([b for b, _ in victims]))

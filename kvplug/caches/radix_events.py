@@ -46,13 +46,17 @@ __all__ = ["RadixBlockHashes"]
 
 
 class RadixBlockHashes:
-    """The page digests of one radix tree's nodes, and the events that carry them."""
+    """The page digests of one radix tree's nodes, and the events that carry them.
+
+    ``events=None``: the digests alone (a cache with storage tiers keys its pages by them and
+    nobody observes its events).
+    """
 
     __slots__ = ("_cache", "_digests", "_events", "_hasher", "_page", "_root")
 
     def __init__(
         self,
-        events: CacheEvents,
+        events: CacheEvents | None,
         cache: str,
         root: RadixNode,
         page_size: int,
@@ -92,6 +96,9 @@ class RadixBlockHashes:
 
     def stored(self, leaf: RadixNode) -> None:
         """Report the new leaf ``leaf`` (just linked under its parent)."""
+        if self._events is None:
+            self.digests(leaf)  # known from now on: an eviction's demotion reads them
+            return
         parent = leaf.parent
         parent_hash = None
         if parent is not None and parent is not self._root:
@@ -122,6 +129,8 @@ class RadixBlockHashes:
             keep = len(digests) - cut_pages
             hashes.extend(map(event_hash, digests[keep:]))
             known[cut] = digests[:keep]
+        if self._events is None:
+            return
         self._events.prefix_removed(
             PrefixRemoved(cache=self._cache, num_tokens=num_tokens, block_hashes=tuple(hashes))
         )

@@ -112,7 +112,13 @@ def build(
 
     allocator = resolved.allocator.registration.factory(config.pool, resolved.allocator.options)
     new_policy = new_policy_factory(resolved.eviction_policy)
-    events = registry.cache_events()
+    observers: list[Any] = []
+    if config.kv_events.enabled or config.metrics is not None:
+        from .cluster.observers import observers_for  # the cluster extra, only when asked for
+
+        observers = observers_for(config)
+    sinks = [o.sink for o in observers if o.sink is not None]
+    events = HookEvents.joined(registry.cache_events(), sinks)
     storage = None
     if resolved.storage_tiers:
         from .tiers import build_hierarchy
@@ -124,18 +130,12 @@ def build(
                 config, tiers, allocator.pool, registry, hash_function, observed=events is not None
             )
 
-    observers: list[Any] = []
-    if config.kv_events.enabled or config.metrics is not None:
-        from .cluster.observers import observers_for  # the cluster extra, only when asked for
-
-        observers = observers_for(config)
     try:
-        sinks = [o.sink for o in observers if o.sink is not None]
         context = PrefixCacheContext(
             allocator=allocator,
             new_policy=new_policy,
             page_size=config.pool.page_size,
-            events=HookEvents.joined(events, sinks),
+            events=events,
             block_hasher=None if config.block_hash is None else make_hasher(config.block_hash),
             storage=storage,
         )

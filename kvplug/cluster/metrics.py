@@ -17,8 +17,14 @@ exact names):
   engine was short of, and what eviction freed for it;
 * ``<ns>:kv_blocks_stored_total{medium}`` / ``<ns>:kv_blocks_removed_total{medium}``: blocks by
   medium (``GPU``, or a storage tier's ``CPU``, ``Disk``...), from the cache's events;
-* ``<ns>:kv_offload_store_bytes_total{transfer_type}``: bytes stored off the GPU, by
-  ``GPU_to_<medium>`` (vLLM's ``kv_offload`` metric and label).
+* with storage tiers (``kvplug.tiers``), from the hierarchy's own counters:
+  ``<ns>:kv_offload_store_bytes_total{transfer_type}`` / ``<ns>:kv_offload_load_bytes_total
+  {transfer_type}`` (vLLM's ``kv_offload`` metrics and label: ``GPU_to_CPU``, ``CPU_to_GPU``,
+  ``CPU_to_Disk``...); ``<ns>:tier_prefix_cache_hits_total{tier,medium}``: tokens a match
+  loaded from each tier, and their sum ``<ns>:external_prefix_cache_hits_total`` (vLLM counts
+  its offloading connector's hits there); ``<ns>:tier_tokens{tier,medium}`` /
+  ``<ns>:tier_bytes{tier,medium}``: what each tier holds; ``<ns>:tier_demoted_pages_total`` and
+  ``<ns>:tier_dropped_pages_total`` (demotions dropped, never waited for).
 
 Every metric also carries the config's constant ``labels`` (vLLM's dashboards select on
 ``model_name`` and ``engine``). Each stack has its own registry, so two stacks in a process never
@@ -41,41 +47,19 @@ from prometheus_client.registry import Collector
 
 from kvplug_hookspecs import CacheCleared, CacheEvents, KVCacheConfig, PrefixRemoved, PrefixStored
 
-__all__ = ["CacheMetrics", "bytes_per_token"]
-
-_DTYPE_BYTES = {
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
-
-
-def bytes_per_token(config: KVCacheConfig) -> int:
-    """K and V bytes of one token over every layer of the pool."""
-    pool = config.pool
-    return 2 * pool.num_layers * pool.kv_heads * pool.head_dim * _DTYPE_BYTES[pool.dtype]
-
+__all__ = ["CacheMetrics"]
 
 class _MediumCounts:
     """The cache-event side: blocks stored and removed per medium (a cache event sink)."""
 
-    def __init__(self, page_size: int, token_bytes: int) -> None:
-        self._page = page_size
-        self._token_bytes = token_bytes
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.stored: Counter[str] = Counter()
         self.removed: Counter[str] = Counter()
-        self.offload_bytes: Counter[str] = Counter()
 
     def prefix_stored(self, event: PrefixStored) -> None:
-        medium = getattr(event, "medium", "GPU")
         with self._lock:
-            self.stored[medium] += len(event.block_hashes)
-            if medium != "GPU":
-                self.offload_bytes[f"GPU_to_{medium}"] += event.num_tokens * self._token_bytes
+            self.stored[event.medium] += len(event.block_hashes)
 
     def prefix_removed(self, event: PrefixRemoved) -> None:
         if event.block_hashes:
@@ -85,9 +69,9 @@ class _MediumCounts:
     def cache_cleared(self, event: CacheCleared) -> None:
         pass
 
-    def snapshot(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
         with self._lock:
-            return dict(self.stored), dict(self.removed), dict(self.offload_bytes)
+            return dict(self.stored), dict(self.removed)
 
 
 class CacheMetrics(Collector):
@@ -97,7 +81,7 @@ class CacheMetrics(Collector):
         assert config.metrics is not None
         self.config = config.metrics
         self.capacity = config.pool.capacity_tokens
-        self._counts = _MediumCounts(config.pool.page_size, bytes_per_token(config))
+        self._counts = _MediumCounts()
         self.sink: CacheEvents | None = self._counts
         self._stack: Any = None
         self.registry = CollectorRegistry(auto_describe=False)
@@ -153,6 +137,19 @@ class CacheMetrics(Collector):
             family.add_metric(values, value)
             return family
 
+        def labelled(
+            name: str,
+            doc: str,
+            keys: list[str],
+            table: dict[tuple[str, ...], float],
+            gauge: bool = False,
+        ) -> Metric:
+            kind = GaugeMetricFamily if gauge else CounterMetricFamily
+            family = kind(f"{ns}:{name}", doc, labels=[*names, *keys])
+            for key in sorted(table):
+                family.add_metric([*values, *key], table[key])
+            return family
+
         free = allocator.available_size()
         cached = cache.evictable_size()
         yield counter(
@@ -196,18 +193,60 @@ class CacheMetrics(Collector):
             "Tokens the shortfall evictions freed.",
             stats.shortfall_freed_tokens,
         )
-        stored, removed, offload = self._counts.snapshot()
-        for name, doc, label, table in (
-            ("kv_blocks_stored", "KV blocks stored, by medium.", "medium", stored),
-            ("kv_blocks_removed", "KV blocks removed, by medium.", "medium", removed),
-            (
-                "kv_offload_store_bytes",
-                "Total bytes stored from GPU to offload storage.",
-                "transfer_type",
-                offload,
-            ),
+        stored, removed = self._counts.snapshot()
+        for name, doc, table in (
+            ("kv_blocks_stored", "KV blocks stored, by medium.", stored),
+            ("kv_blocks_removed", "KV blocks removed, by medium.", removed),
         ):
-            family = CounterMetricFamily(f"{ns}:{name}", doc, labels=[*names, label])
-            for key in sorted(table):
-                family.add_metric([*values, key], table[key])
-            yield family
+            yield labelled(name, doc, ["medium"], {(k,): v for k, v in table.items()})
+        storage = getattr(stack, "storage", None)
+        if storage is not None:
+            yield from self._tier_metrics(storage, labelled, counter)
+
+    def _tier_metrics(self, storage: Any, labelled: Any, counter: Any) -> Iterator[Metric]:
+        stats = storage.stats
+        store = {(k,): v for k, v in stats.transfer_bytes.items() if not k.endswith("_to_GPU")}
+        load = {(k,): v for k, v in stats.transfer_bytes.items() if k.endswith("_to_GPU")}
+        yield labelled(
+            "kv_offload_store_bytes",
+            "Total bytes stored from GPU to offload storage.",
+            ["transfer_type"],
+            store,
+        )
+        yield labelled(
+            "kv_offload_load_bytes",
+            "Total bytes loaded from offload storage to GPU.",
+            ["transfer_type"],
+            load,
+        )
+        medium = {tier.name: tier.medium for tier in storage.tiers}
+        hits = {(name, medium[name]): stats.hit_tokens.get(name, 0) for name in medium}
+        yield labelled(
+            "tier_prefix_cache_hits",
+            "Prefix cache hits loaded from a storage tier, in tokens.",
+            ["tier", "medium"],
+            hits,
+        )
+        yield counter(
+            "external_prefix_cache_hits",
+            "Prefix cache hits loaded from the storage tiers, in tokens.",
+            sum(hits.values()),
+        )
+        held = [s for s in storage.tier_stats() if "medium" in s]
+        for name, doc, field in (
+            ("tier_tokens", "Tokens a storage tier holds.", "tokens"),
+            ("tier_bytes", "Bytes a storage tier holds.", "bytes"),
+        ):
+            yield labelled(
+                name,
+                doc,
+                ["tier", "medium"],
+                {(s["name"], s["medium"]): s[field] for s in held},
+                gauge=True,
+            )
+        yield counter("tier_demoted_pages", "Pages demoted below the device.", stats.demoted_pages)
+        yield counter(
+            "tier_dropped_pages",
+            "Demotions dropped (queue full or no tier up).",
+            stats.dropped_pages,
+        )

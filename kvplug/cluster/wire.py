@@ -183,7 +183,7 @@ class EventBatcher:
             token_ids=list(event.token_ids),
             block_size=self.block_size,
             lora_id=None,
-            medium=getattr(event, "medium", MEDIUM_GPU),
+            medium=event.medium,
             lora_name=None if self._lora_name is None else self._lora_name(event.extra_key),
         )
         with self._lock:

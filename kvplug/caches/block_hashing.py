@@ -163,7 +163,12 @@ def _vllm_hash_function(algorithm: str) -> Callable[[Any], bytes]:
 
         return lambda obj: hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
     if algorithm in ("xxhash", "xxhash_cbor"):
-        import xxhash
+        try:
+            import xxhash
+        except ImportError as exc:
+            raise ValueError(
+                f"block_hash algorithm {algorithm!r} needs `pip install xxhash`"
+            ) from exc
 
         if algorithm == "xxhash":
             return lambda obj: xxhash.xxh3_128_digest(
@@ -200,7 +205,6 @@ class VLLMBlockHasher(BlockHasher):
         algorithm: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = "sha256",
         none_hash_seed: str | None = None,
     ) -> None:
-        self._fn = _vllm_hash_function(algorithm)
         self.algorithm = algorithm
         if none_hash_seed is None:
             none_hash_seed = os.environ.get("PYTHONHASHSEED")
@@ -212,6 +216,7 @@ class VLLMBlockHasher(BlockHasher):
                     "none_hash_seed to the value vLLM uses"
                 )
             none_hash_seed = VLLM_DEFAULT_NONE_HASH_SEED
+        self._fn = _vllm_hash_function(algorithm)
         self.none_hash_seed = none_hash_seed
         self.none_hash: bytes = self._fn(none_hash_seed)
         self.name = f"vllm-{algorithm}-{self.none_hash[:8].hex()}"

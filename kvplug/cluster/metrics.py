@@ -49,6 +49,7 @@ from kvplug_hookspecs import CacheCleared, CacheEvents, KVCacheConfig, PrefixRem
 
 __all__ = ["CacheMetrics"]
 
+
 class _MediumCounts:
     """The cache-event side: blocks stored and removed per medium (a cache event sink)."""
 

@@ -117,3 +117,24 @@ class Subscriber:
         self.sub.close(linger=0)
         if self.replay is not None:
             self.replay.close(linger=0)
+
+
+def wait_sent(publisher: Any, timeout: float = 10.0) -> None:
+    """Wait until the publisher's thread has sent every batch cut so far."""
+    deadline = time.monotonic() + timeout
+    while publisher.sent_batches < publisher.batcher.batches and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert publisher.sent_batches == publisher.batcher.batches
+
+
+def probe(stack: Any) -> None:
+    """Two batches that leave the cache as it was: store one page (outside every random key's
+    alphabet), then evict everything evictable."""
+    from kvplug_hookspecs import CacheKey
+
+    page = stack.config.pool.page_size
+    stack.evict_for(page)
+    stack.prefix_cache.insert(CacheKey([99] * page), stack.allocator.alloc(page))
+    stack.end_step()
+    stack.evict_for(stack.allocator.available_size() + stack.prefix_cache.evictable_size())
+    stack.end_step()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -16,25 +15,8 @@ import kvplug
 from kvplug.cluster.publisher import ZmqEventPublisher
 from kvplug.cluster.wire import EventBatcher, decoder
 from kvplug_hookspecs import CacheKey, KVEventsConfig, PrefixStored
-from tests.cluster.subscriber import Subscriber
+from tests.cluster.subscriber import Subscriber, probe, wait_sent
 from tests.cluster.workload import CACHES, cached_block_hashes, publishing_config, random_run
-
-
-def wait_sent(publisher: ZmqEventPublisher, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while publisher.sent_batches < publisher.batcher.batches and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert publisher.sent_batches == publisher.batcher.batches
-
-
-def probe(stack):
-    """One batch: store and drop one page outside every random key's alphabet."""
-    page = stack.config.pool.page_size
-    key = CacheKey([99] * page)
-    stack.prefix_cache.insert(key, stack.allocator.alloc(page))
-    stack.end_step()
-    stack.evict_for(stack.allocator.available_size() + stack.prefix_cache.evictable_size())
-    stack.end_step()
 
 
 @pytest.mark.parametrize("cache", CACHES)

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvplug
+from kvplug.cluster.wire import EventBatcher
 from kvplug_hookspecs import CacheKey
 
 
-def tiered_stack(**extra):
+def tiered_stack(batcher, **extra):
+    """A stack over a host tier; ``batcher`` (an observer plugin) records its wire events."""
+    registry = kvplug.PluginRegistry().load_plugins()
+    registry.register(batcher, name="batcher")
     return kvplug.build(
         {
             "pool": {"capacity_tokens": 32, "page_size": 4, "device": "cpu", "store_kv": False},
@@ -25,9 +29,9 @@ def tiered_stack(**extra):
                 "background": False,
             },
             "metrics": {"port": None},
-            "kv_events": {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"},
             **extra,
-        }
+        },
+        registry=registry,
     )
 
 
@@ -42,9 +46,9 @@ def samples(metrics) -> dict:
 
 @pytest.mark.parametrize("cache", ["radix", "block_hash"])
 def test_demoted_and_loaded_pages_carry_their_medium(cache):
-    stack = tiered_stack(prefix_cache=cache)
-    batcher = stack.observers[0].publisher.batcher
-    metrics = stack.observers[1]
+    batcher = EventBatcher(4)
+    stack = tiered_stack(batcher, prefix_cache=cache)
+    metrics = stack.observers[0]
     try:
         first, second = list(range(16)), list(range(100, 116))
         for key in (first, second):
@@ -54,6 +58,7 @@ def test_demoted_and_loaded_pages_carry_their_medium(cache):
         match = stack.prefix_cache.match_prefix(CacheKey(first))
         assert (match.prefix_len, match.tier_tokens) == (16, (("host", 16),))
         stack.end_step()
+        batcher.end_step()  # a plugin batcher: the test ends its step
         events = [e for b in batcher.take_batches() for e in b.events]
         by_medium = {}
         for e in events:

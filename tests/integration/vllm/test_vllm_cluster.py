@@ -27,27 +27,12 @@ import kvplug
 from kvplug.caches.block_hashing import VLLMBlockHasher, vllm_extra_key
 from kvplug.cluster import wire
 from kvplug_hookspecs import CacheKey
-from tests.cluster.subscriber import Subscriber
+from tests.cluster.subscriber import Subscriber, probe, wait_sent
 from tests.cluster.workload import CACHES, cached_block_hashes, publishing_config, random_run
 
 pytestmark = pytest.mark.vllm
 
 vllm_decode = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode
-
-
-def wait_sent(publisher: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while publisher.sent_batches < publisher.batcher.batches and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert publisher.sent_batches == publisher.batcher.batches
-
-
-def probe(stack: Any) -> None:
-    page = stack.config.pool.page_size
-    stack.prefix_cache.insert(CacheKey([99] * page), stack.allocator.alloc(page))
-    stack.end_step()
-    stack.evict_for(stack.allocator.available_size() + stack.prefix_cache.evictable_size())
-    stack.end_step()
 
 
 # -- the wire -------------------------------------------------------------------------------
@@ -338,9 +323,12 @@ def test_published_hashes_are_the_ones_vllm_publishes(cache, algorithm):
     if cache == "swa_radix":
         config["allocator"]["options"]["swa_capacity_tokens"] = 256
     config["block_hash"] = {"scheme": "vllm", "algorithm": name}
-    stack = kvplug.build(config)
+    del config["kv_events"]  # an in-process batcher (no sender thread racing for the batches)
+    batcher = wire.EventBatcher(16)
+    registry = kvplug.PluginRegistry().load_plugins()
+    registry.register(batcher, name="batcher")
+    stack = kvplug.build(config, registry=registry)
     try:
-        batcher = stack.observers[0].publisher.batcher
         rng = random.Random(5)
         prompt = [rng.randrange(30_000) for _ in range(16 * 6)]
         second = prompt[:64] + [rng.randrange(30_000) for _ in range(32)]
@@ -348,6 +336,7 @@ def test_published_hashes_are_the_ones_vllm_publishes(cache, algorithm):
         for key in (prompt, second):
             cache_obj.insert(CacheKey(key), allocator.alloc(len(key)))
         stack.end_step()
+        batcher.end_step()  # a plugin batcher: the test ends its step
         events = [e for b in batcher.take_batches() for e in b.events]
         published = [h for e in events for h in e.block_hashes]
         want = [maybe_convert_block_hash(h) for h in vllm_request(prompt, 16, fn).block_hashes]

@@ -42,7 +42,7 @@ class Subscriber:
         self.replayed: list[int] = []
         self.next_seq = 0
 
-    def wait_connected(self, publish_probe: Callable[[], None], timeout: float = 5.0) -> None:
+    def wait_connected(self, publish_probe: Callable[[], None], timeout: float = 20.0) -> None:
         """ZMQ's slow joiner: call ``publish_probe`` until a message arrives (then keep it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -81,7 +81,7 @@ class Subscriber:
             self.replayed.append(seq)
             self.payloads.setdefault(seq, payload)
 
-    def receive_until(self, count: int, timeout: float = 10.0) -> None:
+    def receive_until(self, count: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while len(self.payloads) < count and time.monotonic() < deadline:
             self.poll(0.05)
@@ -119,7 +119,7 @@ class Subscriber:
             self.replay.close(linger=0)
 
 
-def wait_sent(publisher: Any, timeout: float = 10.0) -> None:
+def wait_sent(publisher: Any, timeout: float = 30.0) -> None:
     """Wait until the publisher's thread has sent every batch cut so far."""
     deadline = time.monotonic() + timeout
     while publisher.sent_batches < publisher.batcher.batches and time.monotonic() < deadline:

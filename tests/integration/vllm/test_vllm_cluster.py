@@ -165,23 +165,39 @@ def test_publisher_frames_equal_vllms_publisher_frames():
             sub.connect(endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             subs.append(sub)
-        time.sleep(0.5)  # ZMQ's slow joiner: both subscriptions reach their publishers
-        for our_batch, their_batch in _pairs():
+
+        def publish(our_batch, their_batch):
             theirs.publish(their_batch)  # vLLM writes its rank (0) into a batch without one
             if our_batch.data_parallel_rank is None:
                 our_batch.data_parallel_rank = 0  # as kvplug's batcher does (its config's rank)
             ours.batcher._batches.append(our_batch)
             ours.batcher.batches += 1
             ours.wake()
+
+        # ZMQ's slow joiner: publish probe pairs until both subscribers hear one, then drain
+        heard, probes, deadline = [False, False], 0, time.monotonic() + 20
+        while not all(heard) and time.monotonic() < deadline:
+            publish(*_pairs()[0])
+            probes += 1
+            for i, sub in enumerate(subs):
+                while sub.poll(50):
+                    sub.recv_multipart()
+                    heard[i] = True
+        assert all(heard)
+        for sub in subs:
+            while sub.poll(300):
+                sub.recv_multipart()
+        for our_batch, their_batch in _pairs():
+            publish(our_batch, their_batch)
         frames = [[s.recv_multipart() for _ in range(3)] for s in subs if s.poll(5000)]
         assert len(frames) == 2 and frames[0] == frames[1]
-        assert [int.from_bytes(f[1], "big") for f in frames[1]] == [0, 1, 2]
+        assert [int.from_bytes(f[1], "big") for f in frames[1]] == [probes, probes + 1, probes + 2]
 
         replies = []
         for endpoint in (their_replay, ours.replay_endpoint):
             dealer = ctx.socket(zmq.DEALER)
             dealer.connect(endpoint)
-            dealer.send_multipart((b"", (1).to_bytes(8, "big")))
+            dealer.send_multipart((b"", (probes + 1).to_bytes(8, "big")))
             got = []
             while not got or got[-1][2] != wire_end():
                 assert dealer.poll(5000)

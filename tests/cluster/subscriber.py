@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 import zmq
@@ -138,3 +139,20 @@ def probe(stack: Any) -> None:
     stack.end_step()
     stack.evict_for(stack.allocator.available_size() + stack.prefix_cache.evictable_size())
     stack.end_step()
+
+
+@contextmanager
+def subscribed(config: dict[str, Any], decode: Callable[[bytes], Any], topic: bytes = b""):
+    """A publishing stack built from ``config`` and a connected :class:`Subscriber`, yielded as
+    ``(stack, publisher, subscriber)``; both are closed on exit."""
+    import kvplug
+
+    stack = kvplug.build(config)
+    publisher = stack.observers[0].publisher
+    sub = Subscriber(publisher.endpoint, publisher.replay_endpoint, decode, topic)
+    try:
+        sub.wait_connected(lambda: probe(stack))
+        yield stack, publisher, sub
+    finally:
+        sub.close()
+        stack.close()

@@ -15,17 +15,13 @@ import kvplug
 from kvplug.cluster.publisher import ZmqEventPublisher
 from kvplug.cluster.wire import EventBatcher, decoder
 from kvplug_hookspecs import CacheKey, KVEventsConfig, PrefixStored
-from tests.cluster.subscriber import Subscriber, probe, wait_sent
+from tests.cluster.subscriber import Subscriber, probe, subscribed, wait_sent
 from tests.cluster.workload import CACHES, cached_block_hashes, publishing_config, random_run
 
 
 @pytest.mark.parametrize("cache", CACHES)
 def test_subscriber_rebuilds_exactly_the_cached_blocks(cache):
-    stack = kvplug.build(publishing_config(cache))
-    publisher = stack.observers[0].publisher
-    sub = Subscriber(publisher.endpoint, publisher.replay_endpoint, decoder().decode, b"kv@")
-    try:
-        sub.wait_connected(lambda: probe(stack))
+    with subscribed(publishing_config(cache), decoder().decode, b"kv@") as (stack, publisher, sub):
         counts = random_run(stack, 600, random.Random(cache))
         assert counts["insert"] > 100 and counts["evict"] > 10 and counts["clear"] >= 3
         assert counts["swa_drop"] > 10 if cache == "swa_radix" else counts["swa_drop"] == 0
@@ -39,9 +35,6 @@ def test_subscriber_rebuilds_exactly_the_cached_blocks(cache):
         kinds = {type(e).__name__ for b in sub.batches() for e in b.events}
         assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
         assert all(b.data_parallel_rank == 0 for b in sub.batches())
-    finally:
-        sub.close()
-        stack.close()
 
 
 def test_replay_recovers_the_batches_a_late_subscriber_missed():
@@ -121,20 +114,17 @@ def test_slow_sockets_do_not_slow_the_engine():
 
 
 def test_bytes_hashes_on_the_wire():
-    stack = kvplug.build(publishing_config("block_hash", hashes="bytes"))
-    publisher = stack.observers[0].publisher
-    sub = Subscriber(publisher.endpoint, publisher.replay_endpoint, decoder().decode)
-    try:
-        sub.wait_connected(lambda: probe(stack))
+    with subscribed(publishing_config("block_hash", hashes="bytes"), decoder().decode) as (
+        stack,
+        publisher,
+        sub,
+    ):
         random_run(stack, 100, random.Random(2))
         wait_sent(publisher)
         sub.receive_until(publisher.sent_batches)
         live = sub.blocks()
         assert all(isinstance(h, bytes) and len(h) == 8 for h in live)
         assert {int.from_bytes(h, "big") for h in live} == cached_block_hashes(stack.prefix_cache)
-    finally:
-        sub.close()
-        stack.close()
 
 
 def test_the_scheduler_ends_every_step():
@@ -142,11 +132,7 @@ def test_the_scheduler_ends_every_step():
     from kvplug.engine.request import Request
     from kvplug.engine.scheduler import Scheduler
 
-    stack = kvplug.build(publishing_config("radix"))
-    publisher = stack.observers[0].publisher
-    sub = Subscriber(publisher.endpoint, publisher.replay_endpoint, decoder().decode)
-    try:
-        sub.wait_connected(lambda: probe(stack))
+    with subscribed(publishing_config("radix"), decoder().decode) as (stack, publisher, sub):
         before = publisher.batcher.batches
         scheduler = Scheduler(stack)
         requests = [Request(i, list(range(i % 3, 16 + i % 3)), max_new_tokens=4) for i in range(6)]
@@ -157,9 +143,6 @@ def test_the_scheduler_ends_every_step():
         sub.receive_until(publisher.sent_batches)
         live = sub.blocks()
         assert live == cached_block_hashes(stack.prefix_cache) and len(live) > 4
-    finally:
-        sub.close()
-        stack.close()
 
 
 def test_busy_port_is_a_clear_error_and_nothing_leaks():

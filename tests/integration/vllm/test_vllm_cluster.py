@@ -27,7 +27,7 @@ import kvplug
 from kvplug.caches.block_hashing import VLLMBlockHasher, vllm_extra_key
 from kvplug.cluster import wire
 from kvplug_hookspecs import CacheKey
-from tests.cluster.subscriber import Subscriber, probe, wait_sent
+from tests.cluster.subscriber import Subscriber, probe, subscribed, wait_sent
 from tests.cluster.workload import CACHES, cached_block_hashes, publishing_config, random_run
 
 pytestmark = pytest.mark.vllm
@@ -40,11 +40,7 @@ vllm_decode = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode
 
 @pytest.mark.parametrize("cache", CACHES)
 def test_vllms_classes_decode_the_stream_and_rebuild_the_cache(cache):
-    stack = kvplug.build(publishing_config(cache))
-    publisher = stack.observers[0].publisher
-    sub = Subscriber(publisher.endpoint, publisher.replay_endpoint, vllm_decode, b"kv@pod-0")
-    try:
-        sub.wait_connected(lambda: probe(stack))
+    with subscribed(publishing_config(cache), vllm_decode, b"kv@pod-0") as (stack, publisher, sub):
         counts = random_run(stack, 600, random.Random(f"vllm-{cache}"))
         assert counts["insert"] > 100 and counts["evict"] > 10 and counts["clear"] >= 3
         wait_sent(publisher)
@@ -63,9 +59,6 @@ def test_vllms_classes_decode_the_stream_and_rebuild_the_cache(cache):
                 assert len(event.token_ids) == 4 * len(event.block_hashes)
                 assert all(isinstance(h, int) and 0 <= h < 2**64 for h in event.block_hashes)
         assert sub.blocks() == cached_block_hashes(stack.prefix_cache)
-    finally:
-        sub.close()
-        stack.close()
 
 
 def test_replay_with_vllms_classes_recovers_a_gap():

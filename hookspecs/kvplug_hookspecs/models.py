@@ -163,13 +163,15 @@ class KVEventsConfig(FrozenModel):
     PUB socket's send high-water mark; ``max_queue_size`` bounds the batches waiting for the
     sender thread (the oldest are dropped, and counted, past it). ``"null"`` (the default) is off.
 
-    kvplug's own: ``hashes`` puts block hashes on the wire as 64-bit ints (vLLM's default) or
-    bytes; ``data_parallel_rank`` is written in every batch (vLLM's publisher writes its rank,
-    0 without data parallelism).
+    kvplug's own: ``publisher="inproc"`` cuts the same per-step batches without ZMQ, for a
+    consumer in the same process (``stack.observers[0].batcher.take_batches()``, e.g. a
+    simulated KV-aware router); ``hashes`` puts block hashes on the wire as 64-bit ints (vLLM's
+    default) or bytes; ``data_parallel_rank`` is written in every batch (vLLM's publisher writes
+    its rank, 0 without data parallelism).
     """
 
     enable_kv_cache_events: bool = False
-    publisher: Literal["null", "zmq"] = "null"
+    publisher: Literal["null", "zmq", "inproc"] = "null"
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
     buffer_steps: PositiveInt = 10_000

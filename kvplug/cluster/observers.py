@@ -45,12 +45,39 @@ class _Publishing:
         self.publisher.close()
 
 
+class _Batching:
+    """``publisher="inproc"``: the per-step batches, kept for a consumer in this process."""
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        from .wire import EventBatcher
+
+        events = config.kv_events
+        self.batcher = EventBatcher(
+            config.pool.page_size,
+            hashes=events.hashes,
+            buffer_steps=events.max_queue_size,
+            data_parallel_rank=events.data_parallel_rank,
+        )
+        self.sink: CacheEvents | None = self.batcher
+
+    def attach(self, stack: Any) -> None:
+        pass
+
+    def end_step(self) -> None:
+        self.batcher.end_step()
+
+    def close(self) -> None:
+        pass
+
+
 def observers_for(config: KVCacheConfig) -> list[StackObserver]:
     """The observers ``config`` turns on, in a fixed order (publisher, then metrics)."""
     observers: list[StackObserver] = []
     try:
-        if config.kv_events.enabled:
+        if config.kv_events.publisher == "zmq":
             observers.append(_Publishing(config))
+        elif config.kv_events.publisher == "inproc":
+            observers.append(_Batching(config))
         if config.metrics is not None:
             from .metrics import CacheMetrics
 

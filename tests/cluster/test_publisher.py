@@ -13,7 +13,7 @@ import zmq
 
 import kvplug
 from kvplug.cluster.publisher import ZmqEventPublisher
-from kvplug.cluster.wire import EventBatcher, decoder
+from kvplug.cluster.wire import BlockStored, EventBatcher, decoder
 from kvplug_hookspecs import CacheKey, KVEventsConfig, PrefixStored
 from tests.cluster.subscriber import Subscriber, probe, subscribed, wait_sent
 from tests.cluster.workload import CACHES, cached_block_hashes, publishing_config, random_run
@@ -171,3 +171,25 @@ def test_batcher_is_a_plain_observer_plugin_too():
     stack.prefix_cache.insert(CacheKey([1, 2]), stack.allocator.alloc(2))
     (event,) = batcher.end_step().events
     assert (event.token_ids, event.block_size) == ([1, 2], 1)
+
+
+def test_inproc_publisher_keeps_per_step_batches_for_this_process():
+    """publisher="inproc": the same batches, no sockets, for an in-process consumer."""
+    stack = kvplug.build({**publishing_config("radix"), "kv_events": {"publisher": "inproc"}})
+    observer = stack.observers[0]
+    assert not hasattr(observer, "publisher")
+    counts = random_run(stack, 300, random.Random(4))
+    assert counts["insert"] > 50
+    batches = observer.batcher.take_batches()
+    assert 0 < len(batches) <= 301 and observer.batcher.dropped_batches == 0
+    live: set[int] = set()
+    for batch in batches:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                live.update(event.block_hashes)
+            elif type(event).__name__ == "BlockRemoved":
+                live.difference_update(event.block_hashes)
+            else:
+                live.clear()
+    assert live == cached_block_hashes(stack.prefix_cache)
+    stack.close()

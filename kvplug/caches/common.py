@@ -308,8 +308,11 @@ class BuiltFromContext:
 
     @classmethod
     def from_context(cls, context: PrefixCacheContext, options: Any = None) -> Any:
-        """Build over ``context.allocator`` with its policy factory, page size and events."""
-        extra = {} if context.storage is None else {"storage": context.storage}
+        """Build over ``context.allocator`` with its policy factory, page size and events, and
+        its block hasher and storage tiers when the config chose them."""
+        extra: dict[str, Any] = {} if context.storage is None else {"storage": context.storage}
+        if context.block_hasher is not None:
+            extra["block_hasher"] = context.block_hasher
         return cls(  # type: ignore[call-arg]
             context.allocator,
             context.new_policy,

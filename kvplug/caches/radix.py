@@ -66,7 +66,7 @@ from kvplug_hookspecs import (
 )
 
 from .. import speedups
-from .block_hashing import hasher_for, iter_chain, seed
+from .block_hashing import BlockHasher
 from .common import (
     BuiltFromContext,
     CacheStats,
@@ -93,8 +93,6 @@ __all__ = ["RadixCache", "RadixCacheOptions", "RadixNode"]
 log = logging.getLogger(__name__)
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # a node's slots before insert and once freed
-HASH_FUNCTION = "kvplug-sha256"  # the page digests' scheme (block_hashing), in tier namespaces
-_SHA256 = hasher_for("sha256")
 
 
 class RadixCacheOptions(FrozenModel):
@@ -207,6 +205,7 @@ class RadixCache(BuiltFromContext):
         *,
         page_size: int | None = None,
         events: CacheEvents | None = None,
+        block_hasher: BlockHasher | None = None,
         options: RadixCacheOptions | None = None,
         storage: Callable[[str], TierHierarchy] | None = None,
     ) -> None:
@@ -217,6 +216,8 @@ class RadixCache(BuiltFromContext):
         self.page_size = page_size
         self.device = torch.device(allocator.device)
         self.events = events
+        self.block_hasher = block_hasher or BlockHasher()
+        """How pages are hashed for the KV events (kvplug's scheme, or vLLM's)."""
         self.options = options
         self.stats = CacheStats()
         self.policy = policy
@@ -233,7 +234,7 @@ class RadixCache(BuiltFromContext):
             None,
         )
         # the storage hierarchy below the pool (keys: the pages' SHA-256 chain), or None
-        self.storage: TierHierarchy | None = storage(HASH_FUNCTION) if storage else None
+        self.storage: TierHierarchy | None = storage(self.block_hasher.name) if storage else None
         self._new_tree()
 
     def _new_tree(self) -> None:
@@ -244,7 +245,9 @@ class RadixCache(BuiltFromContext):
         # page hashes, only when someone observes the events or storage tiers key pages by them
         self._hashes: RadixBlockHashes | None = None
         if self.events is not None or self.storage is not None:
-            self._hashes = RadixBlockHashes(self.events, self.name, self.root, self.page_size)
+            self._hashes = RadixBlockHashes(
+                self.events, self.name, self.root, self.page_size, self.block_hasher
+            )
         self._evictable = 0
         self._protected = 0
 
@@ -450,7 +453,7 @@ class RadixCache(BuiltFromContext):
     def _page_digest(self, node: RadixNode, extra_key: str | None) -> bytes:
         """The digest of the last page of ``node``'s path (the namespace's seed at the root)."""
         if node is self.root:
-            return seed(_SHA256, extra_key)
+            return self.block_hasher.root(extra_key)
         assert self._hashes is not None
         return self._hashes.digests(node)[-1]
 
@@ -471,12 +474,12 @@ class RadixCache(BuiltFromContext):
         storage = self.storage
         assert storage is not None
         if self.events is not None:
-            emit_tier_events(storage, self.events, self.name)
+            emit_tier_events(storage, self.events, self.name, self.block_hasher.event_hash)
         if pos >= end:
             return node, pos, ()
         page = self.page_size
-        digests = iter_chain(
-            _SHA256, self._page_digest(node, extra_key), ids[pos:end], page, (end - pos) // page
+        digests = self.block_hasher.chain(
+            self._page_digest(node, extra_key), ids[pos:end], page, (end - pos) // page, extra_key
         )
         keys, runs = storage.locate(digests)
         if not runs:
@@ -541,7 +544,7 @@ class RadixCache(BuiltFromContext):
             head_last = digests[keep - 1]
             tail = key[leaf.num_tokens :]
             cut_digests = digests[keep:] or list(
-                iter_chain(_SHA256, head_last, tail, page, len(tail) // page)
+                self.block_hasher.chain(head_last, tail, page, len(tail) // page, leaf.namespace)
             )
             demote_pages(
                 storage,

@@ -11,7 +11,7 @@ Tier events are reported by :func:`emit_tier_events` on the cache's thread, with
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -103,8 +103,14 @@ def load_pages(
     return (slots[:kept], per_tier) if kept else None
 
 
-def emit_tier_events(storage: TierHierarchy, events: CacheEvents, cache: str) -> None:
-    """Report the hierarchy's tier events: one event per chain of consecutive pages."""
+def emit_tier_events(
+    storage: TierHierarchy,
+    events: CacheEvents,
+    cache: str,
+    event_hash: Callable[[bytes], int] = event_hash,
+) -> None:
+    """Report the hierarchy's tier events: one event per chain of consecutive pages, their
+    hashes by ``event_hash`` (the cache's hasher's: kvplug's or vLLM's)."""
     for event in storage.take_events():
         chains: list[list[Any]] = []
         for p in event.pages:

@@ -149,6 +149,9 @@ def test_config_schema_is_the_models_json_schema(run):
         "eviction_policy",
         "pool",
         "storage",
+        "block_hash",
+        "kv_events",
+        "metrics",
     }
 
 

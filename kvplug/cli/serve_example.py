@@ -87,7 +87,10 @@ def serve_example(
             "preemptions": result.scheduler.preemptions,
             "pool_bytes": stack.pool.mem_bytes(),
             "cache_stats": result.cache_stats,
+            "tier_hit_tokens": result.scheduler.tier_hit_tokens,
+            "storage": stack.storage.stats.as_dict() if stack.storage else None,
         }
+        stack.close()
         out.print_json(json.dumps(payload))
         return
     out.print(
@@ -111,3 +114,14 @@ def serve_example(
     for name, value in result.cache_stats.items():
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         out.print(f"  {name:28} {shown}", highlight=False)
+    if stack.storage is not None:
+        loaded = result.scheduler.tier_hit_tokens
+        per_tier = ", ".join(f"{t.name} {loaded.get(t.name, 0)}" for t in stack.storage.tiers)
+        storage = stack.storage.stats
+        out.print(
+            f"storage tiers: prompt tokens loaded per tier: {per_tier}; demoted pages "
+            f"{storage.demoted_pages}, dropped {storage.dropped_pages}, "
+            f"corrupt {storage.corrupt_pages}",
+            highlight=False,
+        )
+    stack.close()

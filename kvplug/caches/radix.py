@@ -533,6 +533,10 @@ class RadixCache(BuiltFromContext):
     ) -> None:
         storage, hashes, page = self.storage, self._hashes, self.page_size
         assert storage is not None and hashes is not None
+        # a leaf's parent may have been evicted after it (and unlinked): digests are computed
+        # parents first (each removed node's parent is linked, or removed after it)
+        for leaf, parent in reversed(removed):
+            hashes.digests(leaf, parent)
         for leaf, parent in removed:
             first_parent = None if parent is self.root else hashes.digests(parent)[-1]
             digests = hashes.digests(leaf, parent)

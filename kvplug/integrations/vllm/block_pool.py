@@ -8,17 +8,24 @@ and change one decision: when the block at the head is a cached block appended b
 policy names the cached free block that leaves instead. Blocks vLLM put elsewhere (unhashed,
 evict-first, unpinned last-resort blocks) keep vLLM's order.
 
+``lru`` is vLLM's own order: the cached blocks appended by frees sit in the list in the order
+they were freed, so the head is the least recently used one. Without chain protection (lru's
+default) the pool therefore keeps vLLM's queue as it is (:class:`VllmOrderQueue`): the block
+ids and the removal events are vLLM's in every free order, at vLLM's cost.
+
 Statistics live in a side table indexed by block id (vLLM's blocks are slotted): one
 :class:`BlockStats` per block, renewed whenever the block holds new content (vLLM caches it), a
 hit counted when a request reuses it (``BlockPool.touch``), its recency set when it is freed.
 
 Chains: vLLM finds a prefix by walking block hashes from the first block, so evicting a block
-whose successor is still cached orphans the successor (cached, unreachable). For full-attention
-groups the policy is only offered blocks with no cached successor (leaves); a block becomes a
-candidate when its last cached successor loses its hash. LRU never prefers a non-leaf (vLLM frees
-a request's blocks tail first), so ``lru`` reproduces vLLM's block ids exactly. If every free
-cached block is a non-leaf (possible only when a successor is in use and its predecessor free),
-the head of vLLM's list is taken, as vLLM would.
+whose successor is still cached orphans the successor (cached, unreachable). With chain
+protection (every policy but ``lru`` by default) a full-attention group's blocks are only
+offered to the policy while they have no cached successor (leaves); a block becomes a candidate
+when its last cached successor loses its hash. vLLM frees a request's blocks tail first, so
+protection changes nothing for LRU then; a caller that frees a chain head first (vLLM's own
+``free_blocks`` allows any order) gets the leaf before its parent, unlike vLLM, which is why
+``lru`` leaves it off. If every free cached block is a non-leaf (possible only when a successor
+is in use and its predecessor free), the head of vLLM's list is taken, as vLLM would.
 
 The pool and its queue are converted in place (``install_policy``), so every object already
 holding them (managers, connectors) sees the policy.
@@ -34,7 +41,16 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvplug_hookspecs import CandidateStats, EvictionPolicy
 
-__all__ = ["BlockStats", "PolicyFreeBlockQueue", "install_policy", "installed_policy"]
+from ...policies.builtin import LRUPolicy
+
+__all__ = [
+    "BlockStats",
+    "PolicyFreeBlockQueue",
+    "VllmOrderQueue",
+    "follows_vllm_order",
+    "install_policy",
+    "installed_policy",
+]
 
 
 class BlockStats(CandidateStats):
@@ -50,6 +66,36 @@ class BlockStats(CandidateStats):
     def __init__(self, block_id: int, now: int, num_tokens: int) -> None:
         super().__init__(now, num_tokens=num_tokens)
         self.block_id = block_id
+
+
+def follows_vllm_order(policy: EvictionPolicy) -> bool:
+    """Whether vLLM's own free list already ranks free cached blocks as ``policy`` does.
+
+    True for kvplug's ``LRUPolicy`` itself (not a subclass, which may change the key): its key
+    is the time a block was last freed, and vLLM appends cached blocks to its list as they are
+    freed and takes from the head.
+    """
+    return type(policy) is LRUPolicy
+
+
+class VllmOrderQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
+    """vLLM's free-block list, unchanged, under a policy it already implements (``lru`` without
+    chain protection): every operation is vLLM's own, no statistics are kept."""
+
+    _policy: EvictionPolicy
+
+    @classmethod
+    def adopt(cls, queue: FreeKVCacheBlockQueue, policy: EvictionPolicy) -> VllmOrderQueue:
+        """Turn vLLM's queue into this class in place (nothing else changes)."""
+        queue.__class__ = cls
+        assert isinstance(queue, cls)
+        queue._policy = policy
+        return queue
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The kvplug policy this list's order implements."""
+        return self._policy
 
 
 class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
@@ -361,23 +407,35 @@ def install_policy(
     policy: EvictionPolicy,
     *,
     chain_group_ids: Iterable[int] = (0,),
-) -> PolicyFreeBlockQueue:
+    chain_protection: bool | None = None,
+) -> PolicyFreeBlockQueue | VllmOrderQueue:
     """Let ``policy`` choose which free cached block of ``block_pool`` is evicted.
 
-    ``chain_group_ids`` are the KV-cache groups whose blocks form prefix chains (full attention):
-    their blocks are offered to the policy only as chain leaves. Install before the pool serves
-    requests: blocks cached earlier join without chain links. Returns the pool's queue.
+    ``chain_group_ids`` are the KV-cache groups whose blocks form prefix chains (full attention).
+    With ``chain_protection`` their blocks are offered to the policy only as chain leaves; the
+    default (``None``) is on for every policy except ``lru``, which keeps vLLM's order in every
+    free order. A policy vLLM's list already implements (:func:`follows_vllm_order`) without
+    protection leaves the pool and its list as vLLM's (a :class:`VllmOrderQueue`). Install
+    before the pool serves requests: blocks cached earlier join without chain links. Returns the
+    pool's queue.
     """
-    if isinstance(block_pool, _PolicyBlockPool):
+    if installed_policy(block_pool) is not None:
         raise ValueError("this BlockPool already has a kvplug eviction policy")
     if not isinstance(policy, EvictionPolicy):
         raise TypeError(f"policy must be a kvplug EvictionPolicy, got {type(policy).__name__}")
+    native = follows_vllm_order(policy)
+    if chain_protection is None:
+        chain_protection = not native
+    if native and not chain_protection:
+        return VllmOrderQueue.adopt(block_pool.free_block_queue, policy)
     block_pool.__class__ = _policy_pool_class(type(block_pool))
-    block_pool._kvplug_chain_groups = frozenset(chain_group_ids)
+    block_pool._kvplug_chain_groups = frozenset(chain_group_ids if chain_protection else ())
     return PolicyFreeBlockQueue.adopt(block_pool.free_block_queue, block_pool.blocks, policy)
 
 
 def installed_policy(block_pool: BlockPool) -> EvictionPolicy | None:
     """The kvplug policy of a pool, or ``None`` when the pool runs vLLM's own order."""
     queue = block_pool.free_block_queue
-    return queue.policy if isinstance(queue, PolicyFreeBlockQueue) else None
+    if isinstance(queue, (PolicyFreeBlockQueue, VllmOrderQueue)):
+        return queue.policy
+    return None

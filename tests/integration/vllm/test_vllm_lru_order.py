@@ -3,8 +3,9 @@
 vLLM's ``free_blocks`` takes blocks in any order; ``KVCacheManager.free`` passes them tail
 first, ``pop_blocks_for_free`` lets a caller choose (vLLM's own ``test_block_removed_event_group_
 idx`` frees a chain head first). Each test drives vLLM's ``BlockPool`` or ``KVCacheManager`` side
-by side: stock, kvplug ``lru`` (vLLM's list kept as it is) and, to show that this is what the
-policy itself chooses, an LRU policy run through kvplug's policy queue without chain protection.
+by side: stock, kvplug ``lru`` (vLLM's pool and list kept as they are) and, to show that this is
+what the policy itself chooses, an LRU policy run through kvplug's policy queue without chain
+protection.
 """
 
 from __future__ import annotations
@@ -19,12 +20,9 @@ pytest.importorskip("vllm")
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
-from kvplug.integrations.vllm.block_pool import (
-    PolicyFreeBlockQueue,
-    VllmOrderQueue,
-    install_policy,
-)
+from kvplug.integrations.vllm.block_pool import PolicyFreeBlockQueue, install_policy
 from kvplug.policies.builtin import LRUPolicy
 from tests.integration.vllm.conftest import admit, check_pool, free_ids, make_manager, make_request
 
@@ -48,7 +46,8 @@ def new_pool(kind: str, num_blocks: int) -> Any:
         enable_kv_cache_events=True,
     )
     if kind == "lru":
-        assert isinstance(install_policy(pool, LRUPolicy()), VllmOrderQueue)
+        queue = install_policy(pool, LRUPolicy())
+        assert type(queue) is FreeKVCacheBlockQueue and queue is pool.free_block_queue
     elif kind == "policy-lru":
         queue = install_policy(pool, PolicyQueueLRU(), chain_protection=False)
         assert isinstance(queue, PolicyFreeBlockQueue)

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from pydantic import ValidationError
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
 from kvplug import (
     EvictionPolicyRegistration,
@@ -26,11 +27,7 @@ from kvplug import (
 )
 from kvplug.errors import UnknownComponentError
 from kvplug.integrations.vllm import UnsupportedVllmError, plugin, selected_config
-from kvplug.integrations.vllm.block_pool import (
-    PolicyFreeBlockQueue,
-    VllmOrderQueue,
-    installed_policy,
-)
+from kvplug.integrations.vllm.block_pool import PolicyFreeBlockQueue, installed_policy
 from kvplug.policies import LFUPolicy, SLRUPolicy
 from tests.integration.vllm.conftest import check_pool, make_engine
 
@@ -116,9 +113,9 @@ def test_activation_routes_run_the_scheduler(
 @pytest.mark.parametrize(
     ("selection", "queue_class", "chain_groups"),
     [
-        ("lru", VllmOrderQueue, None),
+        ("lru", FreeKVCacheBlockQueue, None),
         ({"eviction_policy": "lru", "chain_protection": True}, PolicyFreeBlockQueue, {0}),
-        ({"eviction_policy": "lru", "chain_protection": False}, VllmOrderQueue, None),
+        ({"eviction_policy": "lru", "chain_protection": False}, FreeKVCacheBlockQueue, None),
         ("slru", PolicyFreeBlockQueue, {0}),
         ({"eviction_policy": "slru", "chain_protection": False}, PolicyFreeBlockQueue, set()),
     ],

@@ -333,21 +333,20 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     def on_hits(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Requests reused these cached blocks (vLLM touched them when admitting a request)."""
-        stats_of, content = self._stats, self._content
-        clock = self._clock
         for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is not None:
-                block_id = block.block_id
-                if content[block_id] is not block_hash:
-                    self._clock = clock
-                    self._renew(block)
-                    clock = self._clock
-                stats = stats_of[block_id]
-                clock += 1
+            if block.block_hash is not None:
+                stats = self._current_stats(block)
+                self._clock += 1
                 stats.hit_count += 1
-                stats.last_access_time = clock
-        self._clock = clock
+                stats.last_access_time = self._clock
+
+    def _current_stats(self, block: KVCacheBlock) -> BlockStats:
+        """The statistics of the block's current content (renewed if it holds other content
+        than they describe, e.g. its hashes were moved in from another block)."""
+        stats: BlockStats | None = self._stats[block.block_id]
+        if stats is None or self._content[block.block_id] is not block.block_hash:
+            stats = self._renew(block)
+        return stats
 
     def on_hash_removed(self, block: KVCacheBlock) -> None:
         """``block`` lost its hashes: its parent may become a leaf, its children are unlinked."""

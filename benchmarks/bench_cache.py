@@ -19,6 +19,14 @@ kvplug keeps the heap itself incrementally (lazy invalidation), so a call costs 
 
     python benchmarks/bench_cache.py            # N = 1k, 10k, 100k
     python benchmarks/bench_cache.py --quick    # smaller N and fewer requests
+    python benchmarks/bench_cache.py --tiers    # a host tier configured but never hit, vs none
+
+``--tiers`` serves the same requests to two caches in turn, one without storage tiers and one
+with a host tier (write-back: every eviction demotes its pages, page digests are computed for
+them, every match asks the tier about the page after the device match) that no request ever
+hits (every suffix is new), and prints the median per-request time of each and their ratio.
+The pool keeps no K/V here (bookkeeping pages): this is the cache path's cost, not the copy's
+(``bench_tiers.py`` measures the copies).
 """
 
 from __future__ import annotations
@@ -177,8 +185,16 @@ def main() -> None:
         help="comma list: time only kvplug with these policies and compare their evict "
         "cost with lru's (e.g. lru,arc,s3fifo,lhd,gdsf)",
     )
+    parser.add_argument(
+        "--tiers",
+        action="store_true",
+        help="compare a cache with a never-hit host tier against one without tiers",
+    )
     args = parser.parse_args()
     sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
+    if args.tiers:
+        compare_tiers(sizes, args.requests or 1000, args.gc)
+        return
     if args.policies:
         compare_policies(args.policies.split(","), sizes, args.requests or 1000, args.gc)
         return
@@ -259,6 +275,84 @@ def compare_policies(
                 cells = [f"{u:7.1f} (x{u / us[0]:4.2f})" for u in us]
                 print(f"{workload:<10} {n:>7} {label:>6} " + " ".join(cells), flush=True)
             del stacks
+
+
+def with_host_tier(cache: RadixCache, allocator: StandardAllocator) -> RadixCache:
+    """The same cache contents' shape, rebuilt over a fresh allocator with a host tier below."""
+    from kvplug.policies.builtin import LRUPolicy
+    from kvplug.tiers import TierHierarchy
+    from kvplug.tiers.host import HostTier, HostTierOptions
+    from kvplug_hookspecs import StorageConfig, TierContext, TierNamespace
+
+    namespace = TierNamespace(
+        model_id="bench", num_layers=1, kv_heads=1, head_dim=64, dtype="float16",
+        page_size=1, hash_function="kvplug-sha256",
+    )  # fmt: skip
+    context = TierContext(namespace, 1, 0, False, False, lambda _: LRUPolicy())
+
+    def storage(hash_function: str) -> TierHierarchy:
+        tier = HostTier(context, HostTierOptions(capacity_tokens=allocator.size * 10))
+        return TierHierarchy(
+            [tier], StorageConfig(), namespace, pool=None, page_size=1, kv_bytes_per_token=256
+        )
+
+    return RadixCache(allocator, cache.policy.__class__, storage=storage)
+
+
+def compare_tiers(sizes: tuple[int, ...], requests: int, gc_on: bool) -> None:
+    """Per-request time (match + evict + insert) without tiers and with a never-hit host tier,
+    served side by side (rotating which goes first); medians and their ratio."""
+    print(f"us per request, median (ratio to no tiers), {requests} requests, gc {gc_on}")
+    print(f"{'workload':<10} {'N':>7} {'no tiers':>9} {'host tier':>9} {'ratio':>6} {'demoted':>8}")
+    for workload in ("shared", "multiturn"):
+        for n in sizes:
+            plain = build("kvplug", n, random.Random(0))
+            cache, allocator = build("kvplug", n, random.Random(0))
+            tiered = with_host_tier(cache, StandardAllocator(allocator.size, device="cpu"))
+            del cache
+            tiered_alloc = tiered.allocator
+            rng = random.Random(0)  # the same prefill as build(): same tree, same leaves
+            systems = [random_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
+            for system in systems:
+                tiered.insert(system, tiered_alloc.alloc(SYSTEM_TOKENS))
+            for i in range(n):
+                key = systems[i % SYSTEM_PROMPTS] + random_tokens(rng, SUFFIX_TOKENS)
+                m = tiered.match_prefix(key)
+                new = tiered_alloc.alloc(len(key) - m.prefix_len)
+                tiered.insert(key, torch.cat([m.device_indices, new]))
+            tiered_alloc.alloc(tiered_alloc.available_size())
+            tiered.systems = systems  # type: ignore[attr-defined]
+            stacks = [plain, (tiered, tiered_alloc)]
+            maker = shared_prefix_keys if workload == "shared" else multiturn_keys
+            keys = maker(plain[0], random.Random(1), requests)
+            times = [{"match": [], "evict": [], "insert": []} for _ in stacks]
+            gc.collect()
+            if not gc_on:
+                gc.disable()
+            try:
+                for i, key in enumerate(keys):
+                    for j in range(2):
+                        k = (i + j) % 2
+                        serve(*stacks[k], key, times[k])
+            finally:
+                gc.enable()
+            warm = requests // 10
+            totals = [
+                statistics.median(
+                    sum(parts)
+                    for parts in zip(t["match"][warm:], t["evict"][warm:], t["insert"][warm:])
+                )
+                / 1e3
+                for t in times
+            ]
+            assert tiered.storage is not None
+            assert not tiered.storage.stats.hit_tokens  # never hit, as intended
+            print(
+                f"{workload:<10} {n:>7} {totals[0]:>9.1f} {totals[1]:>9.1f} "
+                f"{totals[1] / totals[0]:>6.2f} {tiered.storage.stats.demoted_pages:>8}",
+                flush=True,
+            )
+            tiered.storage.close()
 
 
 if __name__ == "__main__":

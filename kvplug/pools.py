@@ -185,6 +185,37 @@ class MHAKVPool:
         self._kv[0, layer][loc] = self._to_store(k)
         self._kv[1, layer][loc] = self._to_store(v)
 
+    def read_slots(self, loc: torch.Tensor) -> torch.Tensor:
+        """Copy out the K/V of slots ``loc`` on every layer: ``[2, layers, len(loc), kv_heads,
+        head_dim]`` in the stored dtype (bytes for fp8), on the pool's device.
+
+        One gather for all layers; the copy is the pool's own, so the slots may be freed and
+        reused as soon as this returns (a storage tier's demotion copies out this way).
+        """
+        check_index_tensor(loc, self.device, "loc")
+        if not self.store_kv:
+            raise RuntimeError("this pool keeps no K/V (store_kv=False)")
+        return self._kv.index_select(2, loc)
+
+    def write_slots(self, loc: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write ``kv`` (``[2, layers, len(loc), kv_heads, head_dim]``, as ``read_slots`` returns
+        it) at slots ``loc`` on every layer: a storage tier's load. Shape and dtype are checked."""
+        check_index_tensor(loc, self.device, "loc")
+        if not self.store_kv:
+            raise RuntimeError("this pool keeps no K/V (store_kv=False)")
+        shape = (2, self.num_layers, loc.numel(), self.kv_heads, self.head_dim)
+        if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != shape:
+            got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise ValueError(f"kv has shape {got}, expected {shape}")
+        if kv.dtype != self._kv.dtype:
+            raise TypeError(f"kv has dtype {kv.dtype}; the pool stores {self._kv.dtype}")
+        self._kv.index_copy_(2, loc, kv.to(self.device, non_blocking=True))
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        """The dtype the buffers hold (``uint8`` for fp8 pools)."""
+        return self._kv.dtype
+
     def _to_store(self, t: torch.Tensor) -> torch.Tensor:
         t = t.to(self.dtype)
         return t.view(torch.uint8) if self.dtype in _FP8 else t

@@ -38,6 +38,7 @@ from kvplug_hookspecs import (
     EvictionPolicyRegistration,
     KVCacheConfig,
     PrefixCacheRegistration,
+    StorageTierRegistration,
     hookspecs,
 )
 
@@ -46,7 +47,9 @@ from .events import HookEvents
 from .plugins import BUILTIN_PLUGINS
 
 __all__ = [
+    "ALL_KINDS",
     "COMPONENT_KINDS",
+    "STORAGE_TIER_KIND",
     "ComponentKind",
     "DuplicateComponentError",
     "PluginError",
@@ -73,7 +76,7 @@ ENTRY_POINT_GROUP = PROJECT_NAME
 
 @dataclass(frozen=True)
 class ComponentKind:
-    """One of the three kinds of component: its config field, hook and registration class."""
+    """One kind of component: its config field, hook and registration class."""
 
     field: str
     label: str
@@ -101,7 +104,17 @@ COMPONENT_KINDS: tuple[ComponentKind, ...] = (
         EvictionPolicyRegistration,
     ),
 )
-_KIND_BY_FIELD = {kind.field: kind for kind in COMPONENT_KINDS}
+"""The kinds a config selects exactly one of."""
+STORAGE_TIER_KIND = ComponentKind(
+    "storage_tier",
+    "storage tier",
+    "storage tiers",
+    "kvplug_storage_tiers",
+    StorageTierRegistration,
+)
+"""Storage tiers: a config lists any number, in order, under ``storage.tiers``."""
+ALL_KINDS: tuple[ComponentKind, ...] = (*COMPONENT_KINDS, STORAGE_TIER_KIND)
+_KIND_BY_FIELD = {kind.field: kind for kind in ALL_KINDS}
 
 
 @dataclass(frozen=True)
@@ -155,12 +168,13 @@ def new_policy_factory(resolved: ResolvedComponent) -> Callable[[], EvictionPoli
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """A config whose three names were found and whose options passed the plugins' models."""
+    """A config whose names were found and whose options passed the plugins' models."""
 
     config: KVCacheConfig
     allocator: ResolvedComponent
     prefix_cache: ResolvedComponent
     eviction_policy: ResolvedComponent
+    storage_tiers: tuple[ResolvedComponent, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The config with canonical names and every option default filled in."""
@@ -171,6 +185,10 @@ class ResolvedConfig:
                 "name": part.registration.name,
                 "options": part.options.model_dump(mode="json"),
             }
+        data["storage"]["tiers"] = [
+            {"name": t.registration.name, "options": t.options.model_dump(mode="json")}
+            for t in self.storage_tiers
+        ]
         return data
 
 
@@ -338,7 +356,7 @@ class PluginRegistry(pluggy.PluginManager):
         if self._collected is not None:
             return self._collected
         collected: dict[str, dict[str, tuple[str, ComponentRegistration]]] = {}
-        for kind in COMPONENT_KINDS:
+        for kind in ALL_KINDS:
             by_name: dict[str, tuple[str, ComponentRegistration]] = {}
             for impl in getattr(self.hook, kind.hook).get_hookimpls():
                 if impl.hookwrapper or impl.wrapper:
@@ -398,6 +416,8 @@ class PluginRegistry(pluggy.PluginManager):
         self, kind_field: Literal["eviction_policy"], name: str
     ) -> EvictionPolicyRegistration: ...
     @overload
+    def get(self, kind_field: Literal["storage_tier"], name: str) -> StorageTierRegistration: ...
+    @overload
     def get(self, kind_field: str, name: str) -> ComponentRegistration: ...
     def get(self, kind_field: str, name: str) -> ComponentRegistration:
         """The registration called ``name`` (or aliased so); unknown names list the valid ones.
@@ -414,13 +434,22 @@ class PluginRegistry(pluggy.PluginManager):
             )
         return table[key][1]
 
-    def resolve(self, kind_field: str, selection: ComponentSelection) -> ResolvedComponent:
-        """Find a selection's registration and validate its options with the plugin's model."""
+    def resolve(
+        self,
+        kind_field: str,
+        selection: ComponentSelection,
+        loc: tuple[str | int, ...] | None = None,
+    ) -> ResolvedComponent:
+        """Find a selection's registration and validate its options with the plugin's model.
+
+        ``loc``: where the selection sits in the config, for error messages (``(kind_field,)``).
+        """
         registration = self.get(kind_field, selection.name)
         try:
             options = registration.options_model.model_validate(selection.options)
         except ValidationError as exc:
-            raise _prefixed(exc, (kind_field, "options"), title=KVCacheConfig.__name__) from None
+            where = (*(loc or (kind_field,)), "options")
+            raise _prefixed(exc, where, title=KVCacheConfig.__name__) from None
         return ResolvedComponent(registration, options)
 
     def policy_factory(self, selection: ComponentSelection) -> Callable[[], EvictionPolicy]:
@@ -428,13 +457,18 @@ class PluginRegistry(pluggy.PluginManager):
         return new_policy_factory(self.resolve("eviction_policy", selection))
 
     def resolve_config(self, config: KVCacheConfig) -> ResolvedConfig:
-        """Resolve all three selections of a config (errors before anything is built)."""
+        """Resolve every selection of a config (errors before anything is built)."""
+        tiers = tuple(
+            self.resolve("storage_tier", tier, ("storage", "tiers", i))
+            for i, tier in enumerate(config.storage.tiers)
+        )
         return ResolvedConfig(
             config=config,
             **{
                 kind.field: self.resolve(kind.field, getattr(config, kind.field))
                 for kind in COMPONENT_KINDS
             },
+            storage_tiers=tiers,
         )
 
     def plugin_infos(self) -> list[PluginInfo]:
@@ -455,7 +489,7 @@ class PluginRegistry(pluggy.PluginManager):
                         }
                     )
                 )
-                for kind in COMPONENT_KINDS
+                for kind in ALL_KINDS
             }
             dist, version = self._distributions.get(name, (None, None))
             infos.append(
@@ -494,7 +528,7 @@ def _distribution_version(name: str) -> str | None:
         return None
 
 
-def _prefixed(exc: ValidationError, prefix: tuple[str, ...], title: str) -> ValidationError:
+def _prefixed(exc: ValidationError, prefix: tuple[str | int, ...], title: str) -> ValidationError:
     """Re-raise a plugin options error with locations under the config field it came from."""
     line_errors = [
         {

@@ -7,16 +7,23 @@ from .candidates import CandidateStats
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .models import (
     TORCH_DTYPES,
+    BlockHashConfig,
     CacheCleared,
     ComponentSelection,
     EvictParams,
     EvictResult,
     FrozenModel,
     KVCacheConfig,
+    KVEventsConfig,
+    MetricsConfig,
     NoOptions,
     PoolGeometry,
     PrefixRemoved,
     PrefixStored,
+    StorageConfig,
+    TierCostModel,
+    TierNamespace,
+    TierStats,
 )
 from .policy_base import FeedbackEvictionPolicy, Ghost, KeyedEvictionPolicy
 from .protocols import (
@@ -35,14 +42,18 @@ from .registration import (
     ComponentRegistration,
     EvictionPolicyRegistration,
     PrefixCacheRegistration,
+    StorageTierRegistration,
 )
+from .tiers import PAGE_FORMAT_VERSION, PageData, StorageTier, TierContext
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PAGE_FORMAT_VERSION",
     "PROJECT_NAME",
     "TORCH_DTYPES",
     "AllocatorRegistration",
+    "BlockHashConfig",
     "CacheCleared",
     "CacheEvents",
     "CacheKey",
@@ -58,9 +69,12 @@ __all__ = [
     "FrozenModel",
     "Ghost",
     "KVCacheConfig",
+    "KVEventsConfig",
     "KeyedEvictionPolicy",
     "MatchResult",
+    "MetricsConfig",
     "NoOptions",
+    "PageData",
     "PoolGeometry",
     "PrefixCache",
     "PrefixCacheContext",
@@ -68,6 +82,13 @@ __all__ = [
     "PrefixRemoved",
     "PrefixStored",
     "SWATokenAllocator",
+    "StorageConfig",
+    "StorageTier",
+    "StorageTierRegistration",
+    "TierContext",
+    "TierCostModel",
+    "TierNamespace",
+    "TierStats",
     "TokenAllocator",
     "hookimpl",
     "hookspec",

@@ -19,6 +19,7 @@ from .registration import (
     AllocatorRegistration,
     EvictionPolicyRegistration,
     PrefixCacheRegistration,
+    StorageTierRegistration,
 )
 
 # -------------------------------------------------------------------------------------------
@@ -90,6 +91,31 @@ def kvplug_eviction_policies() -> Iterable[EvictionPolicyRegistration]:
         @hookimpl
         def kvplug_eviction_policies():
             yield EvictionPolicyRegistration(name="largest_first", factory=LargestFirst)
+    """
+
+
+@hookspec
+def kvplug_storage_tiers() -> Iterable[StorageTierRegistration]:
+    """Register storage tiers: where evicted KV pages go below the device pool.
+
+    Called once when the registry loads plugins. An engine config lists the tiers it uses under
+    ``storage.tiers``, fastest first; kvplug builds each with ``factory(context, options)``
+    (:class:`~kvplug_hookspecs.TierContext`: the keys' namespace, the page geometry, a policy
+    maker) and verifies every page a tier returns before it touches a pool.
+
+    :return: an iterable of :class:`StorageTierRegistration`; the factory returns a
+        :class:`~kvplug_hookspecs.StorageTier`.
+
+    Example::
+
+        from kvplug_hookspecs import StorageTierRegistration, hookimpl
+
+        @hookimpl
+        def kvplug_storage_tiers():
+            yield StorageTierRegistration(
+                name="s3", factory=S3Tier, options_model=S3Options,
+                description="pages as objects in a bucket, one prefix per namespace",
+            )
     """
 
 

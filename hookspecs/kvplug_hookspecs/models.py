@@ -6,6 +6,8 @@ naming the field; nothing is silently clamped or dropped.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -13,16 +15,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "TORCH_DTYPES",
+    "BlockHashConfig",
     "CacheCleared",
     "ComponentSelection",
     "EvictParams",
     "EvictResult",
     "FrozenModel",
     "KVCacheConfig",
+    "KVEventsConfig",
+    "MetricsConfig",
     "NoOptions",
     "PoolGeometry",
     "PrefixRemoved",
     "PrefixStored",
+    "StorageConfig",
+    "TierCostModel",
+    "TierNamespace",
+    "TierStats",
 ]
 
 NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
@@ -143,8 +152,212 @@ class ComponentSelection(FrozenModel):
         return name
 
 
+class KVEventsConfig(FrozenModel):
+    """Publishing the cache's KV events in vLLM's wire format (``kvplug.cluster``).
+
+    The fields, their names and defaults are vLLM's ``KVEventsConfig``: ``publisher="zmq"`` (or
+    ``enable_kv_cache_events=true`` with no publisher, as in vLLM) publishes ``KVEventBatch``es
+    on a ZMQ PUB socket at ``endpoint`` (bound when it holds ``*``, ``::``, or is ``ipc://`` /
+    ``inproc://``, else connected), topic ``topic``; ``replay_endpoint`` (a ROUTER socket)
+    resends the last ``buffer_steps`` batches from a requested sequence number; ``hwm`` is the
+    PUB socket's send high-water mark; ``max_queue_size`` bounds the batches waiting for the
+    sender thread (the oldest are dropped, and counted, past it). ``"null"`` (the default) is off.
+
+    kvplug's own: ``publisher="inproc"`` cuts the same per-step batches without ZMQ, for a
+    consumer in the same process (``stack.observers[0].batcher.take_batches()``, e.g. a
+    simulated KV-aware router); ``hashes`` puts block hashes on the wire as 64-bit ints (vLLM's
+    default) or bytes; ``data_parallel_rank`` is written in every batch (vLLM's publisher writes
+    its rank, 0 without data parallelism).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq", "inproc"] = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: PositiveInt = 10_000
+    hwm: NonNegativeInt = 100_000
+    max_queue_size: PositiveInt = 100_000
+    topic: str = ""
+    hashes: Literal["int", "bytes"] = "int"
+    data_parallel_rank: NonNegativeInt = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _publisher_from_enable(cls, value: Any) -> Any:
+        # vLLM: with no publisher named, enable_kv_cache_events picks "zmq", else "null".
+        if isinstance(value, dict) and value.get("publisher") is None:
+            value = {k: v for k, v in value.items() if k != "publisher"}
+            if value.get("enable_kv_cache_events"):
+                value["publisher"] = "zmq"
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        """True when a publisher is selected."""
+        return self.publisher != "null"
+
+
+class MetricsConfig(FrozenModel):
+    """Prometheus metrics of the cache (``kvplug.cluster.metrics``), served over HTTP.
+
+    ``port``: where ``/metrics`` is served (``0`` picks a free port; ``None`` serves nothing,
+    e.g. when the engine already serves the default registry). ``host``: the address to bind.
+    ``namespace``: the metric name prefix, ``kvplug`` by default (``kvplug:prefix_cache_hits``);
+    ``vllm`` gives vLLM's own names, for dashboards built on them, when no vLLM engine exports
+    into the same registry. ``labels``: constant labels on every metric (vLLM's dashboards
+    select on ``model_name`` and ``engine``).
+    """
+
+    port: Annotated[int, Field(ge=0, le=65535, strict=True)] | None = 8000
+    host: str = "127.0.0.1"
+    namespace: Annotated[str, Field(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")] = "kvplug"
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _label_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", name) or name.startswith("__"):
+                raise ValueError(f"invalid Prometheus label name {name!r}")
+        return value
+
+
+class BlockHashConfig(FrozenModel):
+    """How prefix caches hash their pages (``kvplug.caches.block_hashing``).
+
+    ``scheme="kvplug"`` (default): kvplug's fast chain (``algorithm`` ``sha256`` or
+    ``blake2b`` over each page's packed int64 tokens). ``scheme="vllm"``: bit-identical to
+    vLLM's prefix-cache block hashes for the same tokens, block size and extra keys
+    (``algorithm`` is vLLM's ``prefix_caching_hash_algo``: ``sha256`` (pickle), ``sha256_cbor``,
+    ``xxhash``, ``xxhash_cbor``), chained from vLLM's ``NONE_HASH``: the hash of
+    ``none_hash_seed`` when given, else of ``PYTHONHASHSEED`` when set, else of vLLM's fixed
+    seed ``"vllm-none-hash"`` (vLLM draws a random seed for xxhash then: kvplug refuses, a
+    random root could never match). A bare string is the scheme: ``block_hash = "vllm"``.
+    """
+
+    scheme: Literal["kvplug", "vllm"] = "kvplug"
+    algorithm: Literal["sha256", "blake2b", "sha256_cbor", "xxhash", "xxhash_cbor"] | None = None
+    none_hash_seed: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_scheme(cls, value: Any) -> Any:
+        return {"scheme": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _algorithm_fits_scheme(self) -> BlockHashConfig:
+        kvplug = ("sha256", "blake2b")
+        if self.scheme == "kvplug" and self.algorithm not in (None, *kvplug):
+            raise ValueError(f"algorithm {self.algorithm!r} is vLLM's: use scheme='vllm'")
+        if self.scheme == "vllm" and self.algorithm == "blake2b":
+            raise ValueError("vLLM has no 'blake2b' block hash")
+        if self.scheme == "kvplug" and self.none_hash_seed is not None:
+            raise ValueError("none_hash_seed is a setting of scheme='vllm'")
+        return self
+
+
+class TierNamespace(FrozenModel):
+    """Everything that makes two engines' KV pages incompatible.
+
+    ``id`` (a hex digest of all fields) prefixes every key a tier stores: a Redis key, a disk
+    directory. Two engines share pages only when every field is equal.
+    """
+
+    model_id: str
+    num_layers: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    dtype: str
+    page_size: PositiveInt
+    hash_function: str
+
+    @property
+    def id(self) -> str:
+        """24 hex digits of SHA-256 over the fields (stable across processes and machines)."""
+        data = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(data).hexdigest()[:24]
+
+
+class TierCostModel(FrozenModel):
+    """When loading a page beats recomputing it (the hierarchy's load policy).
+
+    Recomputing ``n`` tokens at depth ``d`` costs ``n / prefill_tokens_per_s`` seconds, times
+    ``1 + quadratic * (d + n/2)`` for attention's growth with depth. Loading them from a tier
+    costs the tier's ``latency_s`` plus ``n * kv_bytes_per_token / bandwidth_bytes_per_s``.
+    ``kv_bytes_per_token`` defaults to the pool geometry's (``2 x layers x kv_heads x head_dim x
+    dtype size``). A run of pages is loaded only when its load time is below its recompute time.
+    The defaults describe an 8B-class model on one H100-class GPU: measure your own.
+    """
+
+    prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
+    quadratic: float = Field(default=0.0, ge=0)
+    kv_bytes_per_token: PositiveInt | None = None
+
+    def recompute_s(self, num_tokens: int, depth: int) -> float:
+        """Seconds to prefill ``num_tokens`` new tokens after ``depth`` cached ones."""
+        scale = 1 + self.quadratic * (depth + num_tokens / 2)
+        return num_tokens / self.prefill_tokens_per_s * scale
+
+
+class StorageConfig(FrozenModel):
+    """The storage hierarchy of an engine config: tiers from fastest to slowest, and policies.
+
+    ``tiers``: each ``{name, options}`` validated by its plugin's options model (e.g.
+    ``[{name = "host", options = {capacity_tokens = 1048576}}, "disk"]``). No tiers (the
+    default): the caches behave exactly as without this feature and pay nothing.
+    ``write_policy``: ``write_back`` demotes a page when the device evicts it; ``write_through``
+    stores every page when it is inserted (as SGLang HiCache offers), so an eviction moves nothing.
+    ``min_load_pages``: a tier run shorter than this is recomputed, not loaded.
+    ``model_id``: part of the namespace (give the model's name: two models with the same geometry
+    must not share KV). ``queue_pages``: the background demotion queue's bound; a demotion that
+    finds it full is dropped and counted, never waited for. ``background=False`` demotes on the
+    caller's thread (a simulator's bookkeeping tiers, deterministic tests).
+    """
+
+    tiers: tuple[ComponentSelection, ...] = ()
+    write_policy: Literal["write_back", "write_through"] = "write_back"
+    min_load_pages: PositiveInt = 1
+    cost: TierCostModel = TierCostModel()
+    model_id: str = "default"
+    queue_pages: PositiveInt = 4096
+    background: bool = True
+
+    @model_validator(mode="after")
+    def _distinct_tiers(self) -> StorageConfig:
+        names = [tier.name for tier in self.tiers]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"storage tier {repeated[0]!r} is listed twice")
+        return self
+
+
+class TierStats(FrozenModel):
+    """A tier's counters (``stats()``); names follow vLLM's ``kv_offload`` and Dynamo's KVBM.
+
+    ``pages``/``tokens``/``bytes`` are what the tier holds now; ``stored_*`` what was written,
+    ``loaded_*`` what was read for a hit; ``evicted_pages`` what its own bound pushed out;
+    ``failures`` calls that raised (connection refused, timeouts, a full disk); ``corrupt_pages``
+    pages that failed their checks (discarded).
+    """
+
+    name: str
+    medium: str
+    pages: NonNegativeInt = 0
+    tokens: NonNegativeInt = 0
+    bytes: NonNegativeInt = 0
+    capacity_tokens: NonNegativeInt | None = None
+    stored_pages: NonNegativeInt = 0
+    stored_bytes: NonNegativeInt = 0
+    loaded_pages: NonNegativeInt = 0
+    loaded_bytes: NonNegativeInt = 0
+    evicted_pages: NonNegativeInt = 0
+    failures: NonNegativeInt = 0
+    corrupt_pages: NonNegativeInt = 0
+
+
 class KVCacheConfig(FrozenModel):
-    """The engine's KV-cache configuration: which plugins to use, and the pool geometry.
+    """The engine's KV-cache configuration: which plugins to use, the pool geometry, and the
+    storage hierarchy below the pool (``storage``; none by default).
 
     Structure is validated here; each ``options`` dict is validated by the selected plugin's
     options model when the registry resolves the config (``kvplug.build`` or
@@ -155,6 +368,10 @@ class KVCacheConfig(FrozenModel):
     prefix_cache: ComponentSelection = ComponentSelection(name="radix")
     eviction_policy: ComponentSelection = ComponentSelection(name="lru")
     pool: PoolGeometry = PoolGeometry()
+    storage: StorageConfig = StorageConfig()
+    block_hash: BlockHashConfig | None = None
+    kv_events: KVEventsConfig = KVEventsConfig()
+    metrics: MetricsConfig | None = None
 
 
 class PrefixStored(FrozenModel):
@@ -165,7 +382,8 @@ class PrefixStored(FrozenModel):
     ``parent_block_hash``: the hash of the cached page the first new page follows (``None`` at
     the start of a prefix). ``token_ids``: the new pages' tokens (``num_tokens`` of them), so a
     consumer (a cache-aware router) can rebuild the chain, as with vLLM's and SGLang's
-    ``BlockStored``.
+    ``BlockStored``. ``medium``: where the pages now live, in vLLM's spelling (``"GPU"`` for the
+    device pool; a storage tier reports its own, e.g. ``"CPU"``, ``"Disk"``).
     """
 
     cache: str
@@ -174,6 +392,7 @@ class PrefixStored(FrozenModel):
     extra_key: str | None = None
     parent_block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    medium: str = "GPU"
 
 
 class PrefixRemoved(FrozenModel):

@@ -82,11 +82,20 @@ class MatchResult:
 
     ``device_indices`` is an int64 tensor of the prefix's KV slots (length ``prefix_len``);
     ``last_node`` is the handle to lock (``inc_lock_ref``) while a request uses the prefix.
+    ``tier_tokens``: with a storage hierarchy, ``(tier name, tokens)`` for the part of the prefix
+    past the device match that the tiers hold: loaded into the pool and included in
+    ``prefix_len`` by a match, only located (nothing moved, not in ``prefix_len``) by a probe.
     """
 
     device_indices: torch.Tensor
     last_node: Any
     prefix_len: int
+    tier_tokens: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def loaded_tokens(self) -> int:
+        """Tokens the tiers hold past the device match (see ``tier_tokens``)."""
+        return sum(tokens for _, tokens in self.tier_tokens)
 
 
 class EvictionCandidate(Protocol):
@@ -146,12 +155,19 @@ class PrefixCacheContext:
     ``new_policy()`` returns a fresh, empty policy instance of the configured kind (a cache
     with two evictable sets, like ``swa_radix``, calls it twice). ``events`` is ``None`` when no
     plugin implements an observer hook, so a cache pays nothing for events nobody reads.
+    ``block_hasher``: how to hash pages when the config chose (``block_hash``, e.g. vLLM's
+    scheme; ``kvplug.caches.block_hashing``), else ``None``: the cache's own default.
+    ``storage``: ``None`` without storage tiers; else ``storage(hash_function)`` builds the
+    hierarchy (``kvplug.tiers.TierHierarchy``) whose keys are the cache's page digests under the
+    hash function it names (part of the keys' namespace), once per cache.
     """
 
     allocator: TokenAllocator
     new_policy: Callable[[], EvictionPolicy]
     page_size: int = 1
     events: CacheEvents | None = None
+    block_hasher: Any = None
+    storage: Callable[[str], Any] | None = None
 
 
 @runtime_checkable

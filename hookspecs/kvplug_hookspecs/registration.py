@@ -19,12 +19,14 @@ from .models import NoOptions
 if TYPE_CHECKING:
     from .models import PoolGeometry
     from .protocols import EvictionPolicy, PrefixCache, PrefixCacheContext, TokenAllocator
+    from .tiers import StorageTier, TierContext
 
 __all__ = [
     "AllocatorRegistration",
     "ComponentRegistration",
     "EvictionPolicyRegistration",
     "PrefixCacheRegistration",
+    "StorageTierRegistration",
 ]
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
@@ -32,7 +34,7 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
 
 @dataclass(frozen=True)
 class ComponentRegistration:
-    """Fields shared by every registration; use one of the three subclasses."""
+    """Fields shared by every registration; use one of the four subclasses."""
 
     kind: ClassVar[str] = "component"
 
@@ -78,10 +80,15 @@ class AllocatorRegistration(ComponentRegistration):
 
 @dataclass(frozen=True)
 class PrefixCacheRegistration(ComponentRegistration):
-    """A prefix cache. ``factory(context: PrefixCacheContext, options) -> PrefixCache``."""
+    """A prefix cache. ``factory(context: PrefixCacheContext, options) -> PrefixCache``.
+
+    ``storage_tiers``: the cache demotes evicted pages to, and loads matched pages from, a
+    storage hierarchy (``context.storage``); a config with tiers and a cache without it is refused.
+    """
 
     kind: ClassVar[str] = "prefix cache"
     factory: Callable[[PrefixCacheContext, Any], PrefixCache]
+    storage_tiers: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,3 +97,12 @@ class EvictionPolicyRegistration(ComponentRegistration):
 
     kind: ClassVar[str] = "eviction policy"
     factory: Callable[[Any], EvictionPolicy]
+
+
+@dataclass(frozen=True)
+class StorageTierRegistration(ComponentRegistration):
+    """A storage tier below the device pool. ``factory(context: TierContext, options) ->
+    StorageTier``; called once per engine, with the namespace its keys live in."""
+
+    kind: ClassVar[str] = "storage tier"
+    factory: Callable[[TierContext, Any], StorageTier]

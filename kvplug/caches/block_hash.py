@@ -25,8 +25,9 @@ The evictable blocks are the configured policy's candidate set, maintained incre
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -59,8 +60,14 @@ from .common import (
     release_ownership,
     take_ownership,
 )
+from .tiered import emit_tier_events, load_pages
+
+if TYPE_CHECKING:
+    from ..tiers import TierHierarchy
 
 __all__ = ["Block", "BlockHashCache", "BlockHashOptions"]
+
+log = logging.getLogger(__name__)
 
 _EMPTY = b""
 
@@ -69,7 +76,8 @@ class BlockHashOptions(FrozenModel):
     """Options of the ``block_hash`` cache.
 
     ``hash_algorithm``: ``sha256`` (default, as vLLM) or ``blake2b`` (a 128-bit BLAKE2b digest,
-    faster in CPython); both are deterministic across processes.
+    faster in CPython); both are deterministic across processes. A config's ``block_hash``
+    (e.g. ``"vllm"``) replaces it.
     """
 
     hash_algorithm: Literal["sha256", "blake2b"] = "sha256"
@@ -80,7 +88,8 @@ class Block(CandidateStats):
 
     ``ref_count`` counts the running requests holding it; ``num_children`` the cached blocks
     chained from it. It is in the policy's evictable set exactly when both are zero.
-    ``own_locks`` counts the locks taken with this block as the handle.
+    ``own_locks`` counts the locks taken with this block as the handle. ``token_ids``: its
+    tokens, kept only when the cache has storage tiers (a demoted page carries them).
     """
 
     __slots__ = (
@@ -91,6 +100,7 @@ class Block(CandidateStats):
         "own_locks",
         "parent",
         "ref_count",
+        "token_ids",
     )
 
     def __init__(
@@ -112,6 +122,7 @@ class Block(CandidateStats):
         self.ref_count = 0
         self.num_children = 0
         self.own_locks = 0
+        self.token_ids: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return (
@@ -139,7 +150,9 @@ class BlockHashCache(BuiltFromContext):
         *,
         page_size: int | None = None,
         events: CacheEvents | None = None,
+        block_hasher: block_hashing.BlockHasher | None = None,
         options: BlockHashOptions | None = None,
+        storage: Callable[[str], TierHierarchy] | None = None,
     ) -> None:
         options = cache_options("block_hash", options, BlockHashOptions)
         page_size = cache_page_size(page_size, allocator)
@@ -152,8 +165,12 @@ class BlockHashCache(BuiltFromContext):
         self.device = torch.device(allocator.device)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.stats = CacheStats()
-        self._hash = block_hashing.hasher_for(self.options.hash_algorithm)
+        self.block_hasher = block_hasher or block_hashing.BlockHasher(options.hash_algorithm)
+        """How blocks are hashed: kvplug's scheme with ``hash_algorithm``, or the config's
+        ``block_hash`` (which wins over ``hash_algorithm`` when given)."""
         self._clock = 0
+        # the storage hierarchy below the pool (keys: the block digests), or None
+        self.storage: TierHierarchy | None = storage(self.block_hasher.name) if storage else None
         self._init_state()
 
     def _init_state(self) -> None:
@@ -166,21 +183,20 @@ class BlockHashCache(BuiltFromContext):
     # ----------------------------------------------------------------------------- hashing
     def _seed(self, extra_key: str | None) -> bytes:
         """The chain's starting digest for a namespace: every block hash covers it."""
-        return block_hashing.seed(self._hash, extra_key)
+        return self.block_hasher.root(extra_key)
 
     def _block_digests(
         self, ids: tuple[int, ...], extra_key: str | None, num_blocks: int
     ) -> Iterator[bytes]:
         """Yield the chain digest of each of the first ``num_blocks`` blocks (lazily), as
         :mod:`kvplug.caches.block_hashing` defines it."""
-        return block_hashing.iter_chain(
-            self._hash, self._seed(extra_key), ids, self.page_size, num_blocks
+        return self.block_hasher.chain(
+            self._seed(extra_key), ids, self.page_size, num_blocks, extra_key
         )
 
-    @staticmethod
-    def _as_int(digest: bytes) -> int:
-        """The event-facing hash of a block (the first 8 bytes of its digest)."""
-        return block_hashing.event_hash(digest)
+    def _as_int(self, digest: bytes) -> int:
+        """The event-facing hash of a block (kvplug's: the first 8 bytes of its digest)."""
+        return self.block_hasher.event_hash(digest)
 
     # ----------------------------------------------------------------------------- failures
     def _saved_stats(self, blocks: list[Block]) -> list[tuple[int, int, int]]:
@@ -221,11 +237,82 @@ class BlockHashCache(BuiltFromContext):
             self.stats.match_queries += 1
             self.stats.match_query_tokens += len(ids)
             self.stats.hit_tokens += prefix_len
+        tier_tokens: tuple[tuple[str, int], ...] = ()
+        if self.storage is not None:
+            matched, tier_tokens = self._match_tiers(ids, extra_key, matched, record_hit)
+            prefix_len = len(matched) * self.page_size
         return MatchResult(
             device_indices=self._gather(matched) if gather else self._empty,
             last_node=matched[-1] if matched else self.root,
             prefix_len=prefix_len,
+            tier_tokens=tier_tokens,
         )
+
+    # ----------------------------------------------------------------------------- tiers
+    def _match_tiers(
+        self, ids: tuple[int, ...], extra_key: str | None, matched: list[Block], record_hit: bool
+    ) -> tuple[list[Block], tuple[tuple[str, int], ...]]:
+        """Continue a device match through the storage tiers (see ``kvplug.caches.tiered``):
+        a probe locates; a match loads, inserts and returns the longer chain."""
+        storage = self.storage
+        assert storage is not None
+        if self.events is not None:
+            emit_tier_events(storage, self.events, self.name, self.block_hasher.event_hash)
+        page = self.page_size
+        pos = len(matched) * page
+        remaining = len(ids) // page - len(matched)
+        if remaining <= 0:
+            return matched, ()
+        parent = matched[-1].digest if matched else self._seed(extra_key)
+        digests = self.block_hasher.chain(parent, ids[pos:], page, remaining, extra_key)
+        keys, runs = storage.locate(digests)
+        if not runs:
+            return matched, ()
+        if not record_hit:
+            found = tuple((storage.tiers[i].name, count * page) for i, count in runs)
+            for name, tokens in found:
+                storage.stats.located_tokens[name] += tokens
+            return matched, found
+        handle = matched[-1] if matched else None
+        if handle is not None:
+            self.inc_lock_ref(handle)
+        try:
+            loaded = load_pages(self, storage, keys, runs, ids, pos)
+            if loaded is None:
+                return matched, ()
+            slots, per_tier = loaded
+            new_end = pos + slots.numel()
+            try:
+                self.insert(
+                    CacheKey(ids[:new_end], extra_key),
+                    torch.cat((self._gather(matched), slots)),
+                    hits_after=pos,
+                )
+            except BaseException:
+                self.allocator.free(slots)  # insert changed nothing: the slots are still ours
+                raise
+        finally:
+            if handle is not None:
+                self.dec_lock_ref(handle)
+        chain = matched + [self._blocks[k] for k in keys[: slots.numel() // page]]
+        return chain, tuple(per_tier)
+
+    def _demote(self, pairs: list[tuple[Block, Block | None]]) -> None:
+        """Hand ``(block, parent)`` pairs about to be freed (or just cached, write-through) to
+        the storage tiers."""
+        storage = self.storage
+        assert storage is not None
+        try:
+            blocks = [b for b, _ in pairs]
+            parents = [None if p is None or p is self.root else p.digest for _, p in pairs]
+            storage.demote(
+                [b.digest for b in blocks],
+                [b.token_ids for b in blocks],
+                parents,
+                self._gather(blocks),
+            )
+        except Exception:  # never fails the cache's operation: the pages are recomputed
+            log.exception("block_hash: demoting %d blocks failed", len(blocks))
 
     def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
         """Refresh the recency of ``key``'s cached blocks; no hit, no query counted."""
@@ -345,6 +432,9 @@ class BlockHashCache(BuiltFromContext):
                     block.content_id, block.new_tokens = block_hash or 1, added
                     if hits_after is not None and (num_cached + i + 1) * page > hits_after:
                         block.hit_count = 1
+                    if self.storage is not None:
+                        start = (num_cached + i) * page
+                        block.token_ids = ids[start : start + page]
                     blocks[digest] = block
                     new_blocks.append(block)
                     parent.num_children += 1
@@ -367,6 +457,8 @@ class BlockHashCache(BuiltFromContext):
         if not new_blocks:
             return cached_len
         new_tokens = len(new_blocks) * page
+        if self.storage is not None and self.storage.write_through:
+            self._demote([(b, b.parent) for b in new_blocks])
         self._evictable_tokens += new_tokens
         self.stats.inserted_tokens += new_tokens
         if self.events is not None:
@@ -429,6 +521,8 @@ class BlockHashCache(BuiltFromContext):
                     parent.num_children -= 1
                     if parent.num_children == 0 and parent.ref_count == 0:
                         policy.add(parent)
+            if victims and self.storage is not None and not self.storage.write_through:
+                self._demote(list(victims))
             if victims:
                 in_free = True
                 self.allocator.free(self._gather([b for b, _ in victims]))

@@ -301,17 +301,23 @@ def new_policy_instance(new_policy: Callable[[], EvictionPolicy] | None) -> Evic
 class BuiltFromContext:
     """The registered factory every built-in cache shares: ``Cache.from_context(ctx, options)``.
 
-    A cache's constructor takes ``(allocator, new_policy, *, page_size, events, options)``; this
-    unpacks the :class:`PrefixCacheContext` the registry hands a prefix-cache factory.
+    A cache's constructor takes ``(allocator, new_policy, *, page_size, events, options)``, and
+    ``storage`` when the cache uses storage tiers; this unpacks the :class:`PrefixCacheContext`
+    the registry hands a prefix-cache factory.
     """
 
     @classmethod
     def from_context(cls, context: PrefixCacheContext, options: Any = None) -> Any:
-        """Build over ``context.allocator`` with its policy factory, page size and events."""
+        """Build over ``context.allocator`` with its policy factory, page size and events, and
+        its block hasher and storage tiers when the config chose them."""
+        extra: dict[str, Any] = {} if context.storage is None else {"storage": context.storage}
+        if context.block_hasher is not None:
+            extra["block_hasher"] = context.block_hasher
         return cls(  # type: ignore[call-arg]
             context.allocator,
             context.new_policy,
             page_size=context.page_size,
             events=context.events,
             options=options,
+            **extra,
         )

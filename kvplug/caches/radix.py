@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -65,6 +66,7 @@ from kvplug_hookspecs import (
 )
 
 from .. import speedups
+from .block_hashing import BlockHasher
 from .common import (
     BuiltFromContext,
     CacheStats,
@@ -81,8 +83,14 @@ from .common import (
 )
 from .radix_events import RadixBlockHashes
 from .radix_tree import common_len, descendants
+from .tiered import demote_pages, emit_tier_events, load_pages
+
+if TYPE_CHECKING:
+    from ..tiers import TierHierarchy
 
 __all__ = ["RadixCache", "RadixCacheOptions", "RadixNode"]
+
+log = logging.getLogger(__name__)
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # a node's slots before insert and once freed
 
@@ -197,7 +205,9 @@ class RadixCache(BuiltFromContext):
         *,
         page_size: int | None = None,
         events: CacheEvents | None = None,
+        block_hasher: BlockHasher | None = None,
         options: RadixCacheOptions | None = None,
+        storage: Callable[[str], TierHierarchy] | None = None,
     ) -> None:
         options = cache_options("radix", options, RadixCacheOptions)
         page_size = cache_page_size(page_size, allocator)
@@ -206,6 +216,8 @@ class RadixCache(BuiltFromContext):
         self.page_size = page_size
         self.device = torch.device(allocator.device)
         self.events = events
+        self.block_hasher = block_hasher or BlockHasher()
+        """How pages are hashed for the KV events (kvplug's scheme, or vLLM's)."""
         self.options = options
         self.stats = CacheStats()
         self.policy = policy
@@ -221,6 +233,8 @@ class RadixCache(BuiltFromContext):
             None,
             None,
         )
+        # the storage hierarchy below the pool (keys: the pages' SHA-256 chain), or None
+        self.storage: TierHierarchy | None = storage(self.block_hasher.name) if storage else None
         self._new_tree()
 
     def _new_tree(self) -> None:
@@ -228,9 +242,12 @@ class RadixCache(BuiltFromContext):
         self.root = RadixNode(self._clock, priority=0, owner=self._tree)
         self.root.path_value = self._empty
         self.root.lock_ref = 1  # never evicted, never in the policy
-        self._hashes = None  # page hashes for the KV events, only when someone observes them
-        if self.events is not None:
-            self._hashes = RadixBlockHashes(self.events, self.name, self.root, self.page_size)
+        # page hashes, only when someone observes the events or storage tiers key pages by them
+        self._hashes: RadixBlockHashes | None = None
+        if self.events is not None or self.storage is not None:
+            self._hashes = RadixBlockHashes(
+                self.events, self.name, self.root, self.page_size, self.block_hasher
+            )
         self._evictable = 0
         self._protected = 0
 
@@ -416,15 +433,127 @@ class RadixCache(BuiltFromContext):
         except Exception as exc:
             self._resync_policy()
             raise policy_error(self.policy, "match_prefix", exc) from exc
-        indices = node.path_value.clone() if gather and pos else self._empty
-        self._last_match = (ids, extra_key, node)  # what insert(prev=...) may skip re-hashing
         if record_hit:
             self._clock += 1
             stats = self.stats
             stats.match_queries += 1
             stats.match_query_tokens += len(ids)
             stats.hit_tokens += pos
-        return MatchResult(device_indices=indices, last_node=node, prefix_len=pos)
+        tier_tokens: tuple[tuple[str, int], ...] = ()
+        if self.storage is not None:
+            node, pos, tier_tokens = self._match_tiers(ids, extra_key, node, pos, end, record_hit)
+        indices = node.path_value.clone() if gather and pos else self._empty
+        self._last_match = (ids, extra_key, node)  # what insert(prev=...) may skip re-hashing
+        return MatchResult(
+            device_indices=indices, last_node=node, prefix_len=pos, tier_tokens=tier_tokens
+        )
+
+    # -- storage tiers --------------------------------------------------------------------------
+
+    def _page_digest(self, node: RadixNode, extra_key: str | None) -> bytes:
+        """The digest of the last page of ``node``'s path (the namespace's seed at the root)."""
+        if node is self.root:
+            return self.block_hasher.root(extra_key)
+        assert self._hashes is not None
+        return self._hashes.digests(node)[-1]
+
+    def _match_tiers(
+        self,
+        ids: tuple[int, ...],
+        extra_key: str | None,
+        node: RadixNode,
+        pos: int,
+        end: int,
+        record_hit: bool,
+    ) -> tuple[RadixNode, int, tuple[tuple[str, int], ...]]:
+        """Continue a device match through the storage tiers (see ``kvplug.caches.tiered``).
+
+        A probe only locates (nothing moves); a match loads what is worth loading, inserts it
+        under ``node`` (locked meanwhile) and returns the new last node and prefix length.
+        """
+        storage = self.storage
+        assert storage is not None
+        if self.events is not None:
+            emit_tier_events(storage, self.events, self.name, self.block_hasher.event_hash)
+        if pos >= end:
+            return node, pos, ()
+        page = self.page_size
+        digests = self.block_hasher.chain(
+            self._page_digest(node, extra_key), ids[pos:end], page, (end - pos) // page, extra_key
+        )
+        keys, runs = storage.locate(digests)
+        if not runs:
+            return node, pos, ()
+        if not record_hit:
+            found = tuple((storage.tiers[i].name, count * page) for i, count in runs)
+            for name, tokens in found:
+                storage.stats.located_tokens[name] += tokens
+            return node, pos, found
+        locked = node is not self.root
+        if locked:
+            self.inc_lock_ref(node)
+        try:
+            loaded = load_pages(self, storage, keys, runs, ids, pos)
+            if loaded is None:
+                return node, pos, ()
+            slots, per_tier = loaded
+            new_end = pos + slots.numel()
+            self._last_match = (ids, extra_key, node)  # the insert continues from node
+            try:
+                self.insert(
+                    CacheKey(ids[:new_end], extra_key),
+                    torch.cat((node.path_value, slots)),
+                    hits_after=pos,
+                    prev=MatchResult(self._empty, node, pos),
+                )
+            except BaseException:
+                self.allocator.free(slots)  # insert changed nothing: the slots are still ours
+                raise
+        finally:
+            if locked:
+                self.dec_lock_ref(node)
+        leaf, new_pos, _ = self._walk(ids, new_end, extra_key, node, pos)
+        return leaf, new_pos, tuple(per_tier)
+
+    def _demote_evicted(
+        self,
+        removed: list[tuple[RadixNode, RadixNode]],
+        cut: tuple[RadixNode, tuple[int, ...], torch.Tensor, int] | None,
+    ) -> None:
+        """Hand the pages an eviction is about to free to the storage tiers (write-back)."""
+        try:
+            self._demote_pages_of(removed, cut)
+        except Exception:  # never fails the eviction: the pages are recomputed when needed
+            log.exception("radix: demoting evicted pages failed")
+
+    def _demote_pages_of(
+        self,
+        removed: list[tuple[RadixNode, RadixNode]],
+        cut: tuple[RadixNode, tuple[int, ...], torch.Tensor, int] | None,
+    ) -> None:
+        storage, hashes, page = self.storage, self._hashes, self.page_size
+        assert storage is not None and hashes is not None
+        for leaf, parent in removed:
+            first_parent = None if parent is self.root else hashes.digests(parent)[-1]
+            digests = hashes.digests(leaf, parent)
+            demote_pages(storage, digests, leaf.key, first_parent, leaf.value, page)
+        if cut is not None:
+            leaf, key, path_value, _ = cut
+            keep = leaf.num_tokens // page  # the leaf was cut to its first ``keep`` pages
+            digests = hashes.digests(leaf)  # all its pages if known before, else the kept ones
+            head_last = digests[keep - 1]
+            tail = key[leaf.num_tokens :]
+            cut_digests = digests[keep:] or list(
+                self.block_hasher.chain(head_last, tail, page, len(tail) // page, leaf.namespace)
+            )
+            demote_pages(
+                storage,
+                cut_digests,
+                tail,
+                head_last,
+                path_value[leaf.depth + leaf.num_tokens :],
+                page,
+            )
 
     def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
         """Refresh the recency of ``key``'s cached path without counting a hit or a query
@@ -578,6 +707,18 @@ class RadixCache(BuiltFromContext):
             self.stats.inserted_tokens += leaf.num_tokens
             if self._hashes is not None:
                 self._hashes.stored(leaf)
+            if self.storage is not None and self.storage.write_through:
+                parent = cast(RadixNode, leaf.parent)
+                first_parent = None if parent is self.root else self._page_digest(parent, extra_key)
+                assert self._hashes is not None
+                demote_pages(
+                    self.storage,
+                    self._hashes.digests(leaf),
+                    leaf.key,
+                    first_parent,
+                    new_slots,
+                    self.page_size,
+                )
         return pos
 
     def _path_stats(self, node: RadixNode) -> list[tuple[RadixNode, tuple[int, int, int]]]:
@@ -741,6 +882,8 @@ class RadixCache(BuiltFromContext):
                 removed.append((leaf, parent))
                 if parent is not root and parent.lock_ref == 0 and not parent.children:
                     policy.add(parent)
+            if self.storage is not None and not self.storage.write_through and victims:
+                self._demote_evicted(removed, cut)
             if victims:
                 in_free = True
                 self.allocator.free(torch.cat(victims) if len(victims) > 1 else victims[0])

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..registry import COMPONENT_KINDS
+from ..registry import ALL_KINDS
 from .app import DebugOption, StrictOption, app, load_registry, out
 
 
@@ -33,7 +33,7 @@ def plugins_command(
             }
             for reg in registry.registrations(kind.field)
         ]
-        for kind in COMPONENT_KINDS
+        for kind in ALL_KINDS
     }
     if as_json:
         payload = {
@@ -72,7 +72,7 @@ def plugins_command(
         dist = f"{info.distribution} {info.version}" if info.distribution else "-"
         provides = "\n".join(
             f"{k.label_plural}: {', '.join(info.provides[k.field])}"
-            for k in COMPONENT_KINDS
+            for k in ALL_KINDS
             if info.provides[k.field]
         )
         table.add_row(info.name, dist, provides or "-")
@@ -82,7 +82,7 @@ def plugins_command(
     for column in ("kind", "name", "aliases"):
         comp_table.add_column(column, no_wrap=True)
     comp_table.add_column("description")
-    for kind in COMPONENT_KINDS:
+    for kind in ALL_KINDS:
         for item in components[kind.field]:
             comp_table.add_row(
                 kind.label, str(item["name"]), ", ".join(item["aliases"]), str(item["description"])

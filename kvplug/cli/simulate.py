@@ -29,7 +29,15 @@ from ..sim import (
     run_grid,
     trace_summary,
 )
-from ..sim.report import PlotUnavailable, results_table, write_csv, write_json, write_plot
+from ..sim.report import (
+    PlotUnavailable,
+    results_table,
+    write_csv,
+    write_json,
+    write_plot,
+    write_tier_plot,
+)
+from ..sim.tiers import NO_TIERS, combined_tokens, parse_hierarchies
 from ..traces import PRESETS, TraceError
 from .app import EXIT_BAD_CONFIG, DebugOption, app, err, fail, out
 
@@ -104,6 +112,23 @@ def simulate_command(
     skip_bad: Annotated[
         bool, typer.Option("--skip-bad", help="Skip malformed trace lines and count them.")
     ] = False,
+    tiers: Annotated[
+        str | None,
+        typer.Option(
+            "--tiers",
+            help="Storage hierarchies below the device, e.g. 'host=10x' or "
+            "'none;host=10x,disk=50x' (sizes: multiples of the device capacity or tokens; "
+            "';' runs several side by side).",
+        ),
+    ] = None,
+    combined: Annotated[
+        bool,
+        typer.Option(
+            "--combined/--no-combined",
+            help="With --tiers: also run the first policy on one device tier holding the "
+            "hierarchy's combined capacity (the single-tier reference).",
+        ),
+    ] = True,
     cost_linear: Annotated[float, typer.Option("--cost-linear", min=0)] = 1.0,
     cost_quadratic: Annotated[float, typer.Option("--cost-quadratic", min=0)] = 1.0 / 4096,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
@@ -145,6 +170,7 @@ def simulate_command(
         if belady and source.kind != "tokens" and BELADY not in policies:
             policies.append(BELADY)
         cost = PrefillCost(linear=cost_linear, quadratic=cost_quadratic)
+        hierarchies: list[str | None] = [None] if tiers is None else list(parse_hierarchies(tiers))
         specs = [
             RunSpec(
                 source=source,
@@ -155,10 +181,23 @@ def simulate_command(
                 timing=timing,
                 cache_output=insert == "prompt+output",
                 cost=cost,
+                tiers=h,
             )
             for c in capacities
-            for p in policies
-        ]
+            for h in hierarchies
+            for p in (policies if h is None or h.strip().lower() == NO_TIERS else
+                      [q for q in policies if q != BELADY])
+        ]  # fmt: skip
+        if tiers is not None and combined:  # one device tier as large as each hierarchy
+            specs += [
+                specs[0].model_copy(
+                    update={"capacity_tokens": total, "tiers": None, "policy": policies[0]}
+                )
+                for total in sorted(
+                    {c + combined_tokens(h, c) for c in capacities for h in hierarchies}
+                    - set(capacities)
+                )
+            ]
         if baseline:
             specs += [
                 s.model_copy(update={"eviction": "full"}) for s in specs if s.policy == policies[0]
@@ -214,6 +253,9 @@ def simulate_command(
         write_csv(results, csv_path)
     if plot_path:
         try:
-            write_plot(results, plot_path, title=source.name)
+            if tiers is not None:
+                write_tier_plot(results, plot_path, title=source.name)
+            else:
+                write_plot(results, plot_path, title=source.name)
         except PlotUnavailable as exc:
             raise fail(exc, EXIT_BAD_CONFIG, debug) from None

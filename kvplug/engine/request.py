@@ -54,6 +54,7 @@ class Request:
     computed: int = 0
     swa_freed: int = 0
     cached_tokens: int = 0
+    tier_tokens: tuple[tuple[str, int], ...] = ()  # of cached_tokens, loaded from storage tiers
     num_preemptions: int = 0
     abort_reason: str | None = None
     admitted_at: int = -1
@@ -114,5 +115,6 @@ class Request:
         self.output.clear()
         self.slots = None
         self.prefix_len = self.computed = self.cached_tokens = self.swa_freed = 0
+        self.tier_tokens = ()
         self.node = None
         self.num_preemptions += 1

@@ -13,7 +13,9 @@ Each ``step()``:
 3. **forward**: prompt chunks (within ``max_prefill_tokens`` per step) and decode tokens go to the
    model in one batch; without a model the next tokens are the requests' given outputs;
 4. **finish** requests that produced ``max_new_tokens``: insert prompt + output (or the prompt
-   only) into the cache, unlock the prefix, free the caller's unaligned tail.
+   only) into the cache, unlock the prefix, free the caller's unaligned tail;
+5. **end the step** on the stack (``stack.end_step()``), when it has observers: the KV-event
+   publisher sends the step's events as one batch, as vLLM's scheduler does once per step.
 
 ``debug=True`` checks conservation after every step (per pool for SWA): free + evictable +
 protected + held by running requests == capacity. Nothing here is specific to one cache or
@@ -26,7 +28,7 @@ import inspect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -79,6 +81,7 @@ class SchedulerStats:
     preemptions: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)  # of hit_tokens, per tier
     output_tokens: int = 0
     cache_seconds: float = 0.0
     max_running: int = 0
@@ -117,6 +120,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.now_ms = 0.0
         self._admissions = 0
+        # the stack's observers (KV-event publisher, metrics) hear where each step ends
+        self._end_step = stack.end_step if getattr(stack, "observers", ()) else None
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -168,6 +173,8 @@ class Scheduler:
         for request in done:
             self._finish(request)
         self.stats.steps += steps
+        if self._end_step is not None:
+            self._end_step()
         if self.options.debug:
             self.check_conservation()
         return done
@@ -313,6 +320,7 @@ class Scheduler:
         self.stats.cache_seconds += time.perf_counter() - t0
         request.status = RequestStatus.RUNNING
         request.prefix_len = request.computed = request.cached_tokens = prefix_len
+        request.tier_tokens = match.tier_tokens
         request.swa_freed = prefix_len
         request.node = match.last_node
         request.admitted_at = self._admissions
@@ -491,6 +499,8 @@ class Scheduler:
         stats.finished += 1
         stats.prompt_tokens += request.prompt_len
         stats.hit_tokens += request.cached_tokens
+        for tier, loaded in request.tier_tokens:
+            stats.tier_hit_tokens[tier] = stats.tier_hit_tokens.get(tier, 0) + loaded
         stats.output_tokens += len(request.output)
 
     # -- invariants --------------------------------------------------------------------------

@@ -7,5 +7,6 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "kvplug.plugins.allocators",
     "kvplug.plugins.caches",
     "kvplug.plugins.policies",
+    "kvplug.plugins.tiers",
 )
 """Module names of the built-in plugins; each is registered under its own module name."""

@@ -19,6 +19,7 @@ def kvplug_prefix_caches() -> Iterator[PrefixCacheRegistration]:
         factory=RadixCache.from_context,
         options_model=RadixCacheOptions,
         description="SGLang-style radix tree over tokens or whole pages; leaf-only eviction",
+        storage_tiers=True,
     )
     yield PrefixCacheRegistration(
         name="swa_radix",
@@ -32,6 +33,7 @@ def kvplug_prefix_caches() -> Iterator[PrefixCacheRegistration]:
         factory=BlockHashCache.from_context,
         options_model=BlockHashOptions,
         description="vLLM-style hash-chained blocks with reference counts",
+        storage_tiers=True,
         aliases=("hash",),
     )
     yield PrefixCacheRegistration(

@@ -8,7 +8,7 @@ the report divides that by the cost of every prompt computed from scratch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import Field
@@ -54,6 +54,25 @@ class RunResult:
     over_eviction: float
     cache_us_per_request: float
     wall_seconds: float
+    # storage tiers (empty without): ``tiers`` the hierarchy's spec, hits and bytes per tier,
+    # and prefill seconds under the storage config's cost model (TierCostModel)
+    tiers: str = ""
+    device_hit_tokens: int = 0
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    transfer_bytes: dict[str, int] = field(default_factory=dict)
+    demotions_dropped: int = 0
+    prefill_seconds: float = 0.0
+    prefill_seconds_saved: float = 0.0
+
+    def tier_hit_rate(self, tier: str) -> float:
+        """Prompt tokens loaded from ``tier`` over all prompt tokens."""
+        hits = self.tier_hit_tokens.get(tier, 0)
+        return hits / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Prompt tokens found in the device pool over all prompt tokens."""
+        return self.device_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

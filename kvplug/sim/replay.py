@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,8 +16,8 @@ from kvplug_hookspecs import FrozenModel, KVCacheConfig, PrefixCacheContext
 
 from ..config import load_config
 from ..engine import Request, Scheduler, SchedulerOptions
-from ..errors import KvplugError
 from ..stack import KVCacheStack, build
+from ..tiers import kv_bytes_per_token
 from ..traces import (
     PRESETS,
     SyntheticSpec,
@@ -28,7 +27,9 @@ from ..traces import (
     synthetic_trace,
 )
 from .belady import BeladyOracle, BeladyPolicy
+from .capacity import SimulationError, parse_capacity
 from .metrics import PrefillCost, RunResult
+from .tiers import bookkeeping_storage, tiers_label
 
 __all__ = [
     "BELADY",
@@ -42,10 +43,6 @@ __all__ = [
 ]
 
 BELADY = "belady"
-
-
-class SimulationError(KvplugError, ValueError):
-    """A simulation that cannot run as asked (bad capacity, belady on an unsupported trace)."""
 
 
 class TraceSource(FrozenModel):
@@ -141,29 +138,6 @@ def trace_summary(source: TraceSource, oracle: BeladyOracle | None = None) -> Tr
     return summary
 
 
-_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg%]?)\s*$", re.IGNORECASE)
-_SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
-
-
-def parse_capacity(text: str, unique_tokens: int | None = None) -> int:
-    """``"3M"`` → 3,000,000 tokens; ``"5%"`` → 5 % of the trace's unique prompt tokens."""
-    match = _CAPACITY.match(text)
-    if match is None:
-        raise SimulationError(
-            f"capacity {text!r}: expected tokens with an optional K/M/G suffix, or a percentage"
-        )
-    value, suffix = float(match.group(1)), match.group(2).lower()
-    if suffix == "%":
-        if unique_tokens is None:
-            raise SimulationError(f"capacity {text!r}: a percentage needs the trace's size")
-        tokens = int(unique_tokens * value / 100)
-    else:
-        tokens = int(value * _SUFFIX[suffix])
-    if tokens < 1:
-        raise SimulationError(f"capacity {text!r} is less than one token")
-    return tokens
-
-
 class RunSpec(FrozenModel):
     """Everything one run needs (picklable, so runs can go to worker processes)."""
 
@@ -176,6 +150,7 @@ class RunSpec(FrozenModel):
     eviction: Literal["shortfall", "full"] = "shortfall"
     cache_output: bool = True
     cost: PrefillCost = PrefillCost()
+    tiers: str | None = None  # a --tiers hierarchy (kvplug.sim.tiers), after the config's own
     debug: bool = False  # check conservation after every scheduler step (slow; for tests)
 
 
@@ -191,6 +166,10 @@ def _stack_config(spec: RunSpec) -> KVCacheConfig:
     )
     data = base.model_dump()
     data["pool"] = pool
+    storage = bookkeeping_storage(
+        base.storage, spec.tiers, pool["capacity_tokens"], kv_bytes_per_token(base)
+    )
+    data["storage"] = storage if storage is not None else {}
     if page > 1 and base.allocator.name in ("standard", "token"):
         data["allocator"] = {"name": "paged", "options": base.allocator.options}
     if spec.policy != BELADY and _policy(spec.policy) != _policy(base.eviction_policy.name):
@@ -259,7 +238,8 @@ def run_one(spec: RunSpec) -> RunResult:
     )
     scheduler = Scheduler(stack, None, options, on_admit=on_admit)
     cost = spec.cost
-    saved = total = 0.0
+    seconds = config.storage.cost  # the cost model of prefill seconds (and of tier loads)
+    saved = total = saved_s = total_s = 0.0
     requests = 0
     started = time.perf_counter()
     trace = spec.source.open()
@@ -287,12 +267,25 @@ def run_one(spec: RunSpec) -> RunResult:
         for request in scheduler.finished:  # fold finished requests into totals, drop them
             total += cost.prefix(request.prompt_len)
             saved += cost.prefix(request.cached_tokens)
+            total_s += seconds.recompute_s(request.prompt_len, 0)
+            saved_s += seconds.recompute_s(request.cached_tokens, 0)
         scheduler.finished.clear()
     wall = time.perf_counter() - started
     stats = scheduler.stats
     cache_stats: Any = getattr(stack.prefix_cache, "stats", None)
     requested = cache_stats.shortfall_requested_tokens if cache_stats else 0
     freed = cache_stats.shortfall_freed_tokens if cache_stats else 0
+    storage = stack.storage
+    tier_hits: dict[str, int] = {}
+    transfer: dict[str, int] = {}
+    dropped = 0
+    if storage is not None:
+        storage.flush()
+        tier_hits = {t.name: stats.tier_hit_tokens.get(t.name, 0) for t in storage.tiers}
+        transfer = dict(storage.stats.transfer_bytes)
+        dropped = storage.stats.dropped_pages
+        saved_s -= sum(storage.stats.load_seconds.values())
+        stack.close()
     return RunResult(
         trace=spec.source.name,
         cache=config.prefix_cache.name,
@@ -315,4 +308,11 @@ def run_one(spec: RunSpec) -> RunResult:
         over_eviction=freed / requested - 1.0 if requested else 0.0,
         cache_us_per_request=stats.cache_seconds / max(1, stats.finished) * 1e6,
         wall_seconds=wall,
+        tiers=tiers_label(spec.tiers) if storage is not None else "",
+        device_hit_tokens=stats.hit_tokens - sum(tier_hits.values()),
+        tier_hit_tokens=tier_hits,
+        transfer_bytes=transfer,
+        demotions_dropped=dropped,
+        prefill_seconds=total_s,
+        prefill_seconds_saved=saved_s,
     )

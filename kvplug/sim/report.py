@@ -12,26 +12,52 @@ from rich.table import Table
 
 from .metrics import FIELDS, RunResult
 
-__all__ = ["results_table", "write_csv", "write_json", "write_plot"]
+__all__ = ["results_table", "write_csv", "write_json", "write_plot", "write_tier_plot"]
 
 
 def results_table(results: Sequence[RunResult], title: str) -> Table:
     """One row per run, sorted by capacity then hit rate (best first)."""
     table = Table(title=title, title_justify="left")
-    columns = (
+    tier_names = _tier_names(results)
+    columns: tuple[str, ...] = (
         "capacity", "policy", "hit rate", "prefill saved", "evicted", "over-evict",
         "preempted", "done", "cache us/req",
     )  # fmt: skip
+    if tier_names:  # a storage hierarchy: where the hits came from, and what it moved
+        columns = (
+            "capacity", "tiers", "policy", "hit rate", "device", *tier_names, "moved GB",
+            "prefill s saved", "evicted", "over-evict", "done", "cache us/req",
+        )  # fmt: skip
     for column in columns:
-        table.add_column(column, justify="left" if column == "policy" else "right")
-    for r in sorted(results, key=lambda r: (r.capacity_tokens, -r.hit_rate, r.policy)):
+        table.add_column(column, justify="left" if column in ("policy", "tiers") else "right")
+    key = lambda r: (r.capacity_tokens, r.tiers, -r.hit_rate, r.policy)  # noqa: E731
+    for r in sorted(results, key=key):
         label = r.policy if r.eviction == "shortfall" else f"{r.policy} (full eviction)"
+        if tier_names:
+            table.add_row(
+                f"{r.capacity_tokens:,}", r.tiers or "-", label, f"{r.hit_rate:.2%}",
+                f"{r.device_hit_rate:.2%}", *(f"{r.tier_hit_rate(t):.2%}" for t in tier_names),
+                f"{sum(r.transfer_bytes.values()) / 1e9:.2f}",
+                f"{r.prefill_seconds_saved:,.0f}/{r.prefill_seconds:,.0f}",
+                f"{r.evicted_tokens:,}", f"{r.over_eviction:.1%}",
+                f"{r.completed}/{r.requests}", f"{r.cache_us_per_request:.0f}",
+            )  # fmt: skip
+            continue
         table.add_row(
             f"{r.capacity_tokens:,}", label, f"{r.hit_rate:.2%}", f"{r.prefill_saved:.2%}",
             f"{r.evicted_tokens:,}", f"{r.over_eviction:.1%}", str(r.preemptions),
             f"{r.completed}/{r.requests}", f"{r.cache_us_per_request:.0f}",
         )  # fmt: skip
     return table
+
+
+def _tier_names(results: Sequence[RunResult]) -> list[str]:
+    """Every tier any run has, in the order they first appear (fastest first)."""
+    names: dict[str, None] = {}
+    for r in results:
+        for name in r.tier_hit_tokens:
+            names.setdefault(name)
+    return list(names)
 
 
 def write_json(
@@ -57,9 +83,7 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed."""
 
 
-def write_plot(results: Sequence[RunResult], path: str | os.PathLike[str], title: str) -> None:
-    """Hit rate against capacity, one line per policy (``belady`` dashed), with matplotlib's
-    headless Agg backend."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -69,9 +93,50 @@ def write_plot(results: Sequence[RunResult], path: str | os.PathLike[str], title
         raise PlotUnavailable(
             "--plot needs matplotlib: pip install 'kvplug[sim]' (or pip install matplotlib)"
         ) from None
+    return plt
+
+
+def write_tier_plot(results: Sequence[RunResult], path: str | os.PathLike[str], title: str) -> None:
+    """One stacked bar per run: the hit rate split into device and each tier (a run without
+    tiers is all device), grouped by device capacity."""
+    plt = _pyplot()
+    tier_names = _tier_names(results)
+    runs = sorted(results, key=lambda r: (r.capacity_tokens, r.tiers, r.policy))
+    labels = [
+        f"{r.capacity_tokens / 1e6:.3g}M {r.policy}" + (f"\n+{r.tiers}" if r.tiers else "")
+        for r in runs
+    ]
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(runs)), 4.8))
+    bottom = [0.0] * len(runs)
+    for name in ["device", *tier_names]:
+        values = [
+            100 * (r.device_hit_rate if r.tier_hit_tokens else r.hit_rate)
+            if name == "device"
+            else 100 * r.tier_hit_rate(name)
+            for r in runs
+        ]
+        ax.bar(range(len(runs)), values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(range(len(runs)))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_title(f"{title}: hits per tier")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_plot(results: Sequence[RunResult], path: str | os.PathLike[str], title: str) -> None:
+    """Hit rate against capacity, one line per policy (``belady`` dashed), with matplotlib's
+    headless Agg backend."""
+    plt = _pyplot()
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in results:
         label = r.policy if r.eviction == "shortfall" else f"{r.policy} (full eviction)"
+        if r.tiers:
+            label += f" +{r.tiers}"
         lines.setdefault(label, []).append((r.capacity_tokens, r.hit_rate))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in sorted(lines.items()):

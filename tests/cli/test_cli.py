@@ -143,7 +143,16 @@ def test_bad_options_and_bad_files_exit_2(run, tmp_path):
 def test_config_schema_is_the_models_json_schema(run):
     schema = json.loads(run("config", "schema").stdout)
     assert schema["title"] == "KVCacheConfig"
-    assert set(schema["properties"]) == {"allocator", "prefix_cache", "eviction_policy", "pool"}
+    assert set(schema["properties"]) == {
+        "allocator",
+        "prefix_cache",
+        "eviction_policy",
+        "pool",
+        "storage",
+        "block_hash",
+        "kv_events",
+        "metrics",
+    }
 
 
 def test_version(run):

@@ -1,0 +1,143 @@
+"""What ``radix`` and ``block_hash`` share to use a storage hierarchy (``kvplug.tiers``).
+
+A cache with tiers keys every page by its chained digest (:mod:`.block_hashing`). On eviction
+it calls :func:`demote_pages` with the freed pages before their slots are freed; after a device
+match it locates the rest of the key in the tiers and, for a real match, :func:`load_pages`
+allocates slots (through the normal shortfall eviction), loads and verifies the pages and
+writes their KV into the pool; the cache then inserts them as if the request had computed them.
+Tier events are reported by :func:`emit_tier_events` on the cache's thread, with their medium.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvplug_hookspecs import CacheEvents, PrefixRemoved, PrefixStored
+
+from ..errors import PolicyError
+from ..eviction import evict_from_tree_cache
+from .block_hashing import event_hash
+
+if TYPE_CHECKING:
+    from ..tiers import TierHierarchy
+
+__all__ = ["demote_pages", "emit_tier_events", "load_pages", "page_tokens"]
+
+log = logging.getLogger(__name__)
+
+
+def page_tokens(ids: Sequence[int], start: int, num_pages: int, page: int) -> list[tuple[int, ...]]:
+    """The token ids of ``num_pages`` pages of ``ids`` from ``start``, one tuple a page."""
+    return [tuple(ids[start + i * page : start + (i + 1) * page]) for i in range(num_pages)]
+
+
+def demote_pages(
+    storage: TierHierarchy,
+    digests: Sequence[bytes],
+    ids: Sequence[int],
+    parent: bytes | None,
+    slots: torch.Tensor,
+    page: int,
+) -> None:
+    """Hand a run of consecutive pages (``ids`` their tokens, ``slots`` their KV slots,
+    ``parent`` the digest of the page before the first) to the hierarchy. Never raises."""
+    try:
+        keys = list(digests)
+        tokens = page_tokens(ids, 0, len(keys), page)
+        parents: list[bytes | None] = [parent, *keys[:-1]]
+        storage.demote(keys, tokens, parents, slots)
+    except Exception:  # a demotion is an optimisation: the cache's own operation goes on
+        log.exception("demoting %d pages failed; they will be recomputed", len(digests))
+
+
+def load_pages(
+    cache: Any,
+    storage: TierHierarchy,
+    keys: Sequence[bytes],
+    runs: list[tuple[int, int]],
+    ids: Sequence[int],
+    pos: int,
+) -> tuple[torch.Tensor, list[tuple[str, int]]] | None:
+    """Bring the located pages ``keys`` (runs ``runs``, the key's tokens from ``ids[pos:]``)
+    into the pool of ``cache``: slots through the shortfall eviction, verified pages written.
+
+    Returns the slots of the verified pages (their count a multiple of the page size, the
+    caller's to insert) and the tokens per tier, or ``None`` when nothing was loaded. The
+    caller has locked its matched prefix (the eviction must not free it). A failing tier, a
+    page that fails its checks or an allocation that cannot be met recomputes; the slots of
+    pages that did not load are freed before returning, on every path.
+    """
+    page = cache.page_size
+    runs = storage.plan(runs, pos)
+    num_pages = sum(count for _, count in runs)
+    if not num_pages:
+        return None
+    need = num_pages * page
+    allocator = cache.allocator
+    evict_from_tree_cache(cache, need)
+    slots = allocator.alloc(need)
+    if slots is None:
+        return None
+    kept = 0
+    try:
+        tokens = page_tokens(ids, pos, num_pages, page)
+        pages, per_tier = storage.load(keys[:num_pages], tokens, runs)
+        kept = len(pages) * page
+        if kept and pages[0].kv is not None:
+            parts = [p.kv for p in pages if p.kv is not None]
+            kv = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+            allocator.pool.write_slots(slots[:kept], kv)
+    except PolicyError:
+        kept = 0
+        raise
+    except Exception:
+        log.exception("loading %d pages from the storage tiers failed; recomputing", num_pages)
+        kept = 0
+    finally:
+        if kept < need:
+            allocator.free(slots[kept:])
+    return (slots[:kept], per_tier) if kept else None
+
+
+def emit_tier_events(
+    storage: TierHierarchy,
+    events: CacheEvents,
+    cache: str,
+    event_hash: Callable[[bytes], int] = event_hash,
+) -> None:
+    """Report the hierarchy's tier events: one event per chain of consecutive pages, their
+    hashes by ``event_hash`` (the cache's hasher's: kvplug's or vLLM's)."""
+    for event in storage.take_events():
+        chains: list[list[Any]] = []
+        for p in event.pages:
+            if chains and p.parent == chains[-1][-1].key:
+                chains[-1].append(p)
+            else:
+                chains.append([p])
+        for chain in chains:
+            hashes = tuple(event_hash(p.key) for p in chain)
+            tokens = sum(p.num_tokens for p in chain)
+            if event.kind == "stored":
+                first_parent = chain[0].parent
+                events.prefix_stored(
+                    PrefixStored(
+                        cache=cache,
+                        num_tokens=tokens,
+                        block_hashes=hashes,
+                        parent_block_hash=None
+                        if first_parent is None
+                        else event_hash(first_parent),
+                        token_ids=tuple(t for p in chain for t in p.token_ids),
+                        medium=event.medium,
+                    )
+                )
+            else:
+                events.prefix_removed(
+                    PrefixRemoved(
+                        cache=cache, num_tokens=tokens, block_hashes=hashes, medium=event.medium
+                    )
+                )

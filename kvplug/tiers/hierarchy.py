@@ -1,0 +1,535 @@
+"""The storage hierarchy a cache demotes evicted pages to and loads matched pages from.
+
+:class:`TierHierarchy` owns the configured tiers (fastest first) and everything a cache must
+not have to think about:
+
+* **Demotion off the engine's path.** ``demote`` copies the pages' KV out of the pool on the
+  caller's thread (one gather; the slots may be freed right after) and queues the copy; a
+  background worker moves it to the host, checksums every page and stores it in the first
+  working tier. A full queue drops the demotion and counts it: the engine never waits.
+* **Cascades.** A tier whose bound pushes pages out (``host``) hands them to the next tier; while
+  that write runs, the pages stay visible as the upper tier's (a page being written below is not
+  dropped from the tier above).
+* **Nothing unverified is loaded.** ``load`` checks each page's key, tokens, shape, dtype and
+  checksum (:func:`kvplug.tiers.pages.check_page`) before the cache may write it into a pool; a
+  page that fails is removed from its tier, counted, and the prefix from there is recomputed.
+* **A failing tier never fails a request.** Every tier call is guarded: an exception (refused
+  connection, timeout, full or read-only disk) counts a failure, logs once per state change,
+  and takes the tier out of use; it is tried again after a backoff (0.5 s doubling to 30 s) and
+  used again once a call succeeds.
+* **Load versus recompute.** ``plan`` keeps only the runs whose load time (the tier's latency and
+  bandwidth) is below their prefill time (:class:`~kvplug_hookspecs.TierCostModel`).
+
+Keys are page digests; the hierarchy never sees a cache's tree. Tier events (pages stored in or
+dropped from a tier) are queued here and taken by the cache on its own thread
+(``take_events``), which reports them to observers with their medium.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any, Literal
+
+import torch
+
+from kvplug_hookspecs import PageData, StorageConfig, StorageTier, TierNamespace
+
+from .pages import CorruptPageError, check_page, page_checksum
+
+__all__ = ["HierarchyStats", "TierEvent", "TierHierarchy"]
+
+log = logging.getLogger(__name__)
+
+DEVICE_MEDIUM = "GPU"
+_BACKOFF_MIN_S = 0.5
+_BACKOFF_MAX_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """Pages stored in (``kind="stored"``) or dropped from (``"removed"``) a tier's medium."""
+
+    kind: Literal["stored", "removed"]
+    medium: str
+    pages: tuple[PageData, ...]
+
+
+@dataclass
+class HierarchyStats:
+    """The hierarchy's counters (named as vLLM's ``kv_offload`` and Dynamo's KVBM report them).
+
+    ``hit_tokens[tier]``: tokens loaded from a tier for a match. ``transfer_bytes["GPU_to_CPU"]``
+    and the like: bytes moved per direction (``<from medium>_to_<to medium>``), counted from the
+    geometry when the pool keeps no KV (a simulator's bookkeeping tiers). ``demoted_pages``:
+    pages stored below the device; ``dropped_pages``: demotions dropped (queue full, no tier
+    up); ``corrupt_pages``: pages that failed their checks; ``failures[tier]``: tier calls that
+    raised; ``skipped_pages``: located pages recomputed because loading them would be slower;
+    ``load_seconds[tier]``: the modelled time of every load (the tier's latency per call and
+    its bandwidth), what the cost model set against recomputing.
+    """
+
+    hit_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    load_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    located_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    transfer_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    demoted_pages: int = 0
+    dropped_pages: int = 0
+    corrupt_pages: int = 0
+    skipped_pages: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "hit_tokens": dict(self.hit_tokens),
+            "located_tokens": dict(self.located_tokens),
+            "load_seconds": dict(self.load_seconds),
+            "transfer_bytes": dict(self.transfer_bytes),
+            "failures": dict(self.failures),
+            "demoted_pages": self.demoted_pages,
+            "dropped_pages": self.dropped_pages,
+            "corrupt_pages": self.corrupt_pages,
+            "skipped_pages": self.skipped_pages,
+        }
+
+
+class _Health:
+    """Whether a tier is in use, and when a failed one is tried again."""
+
+    __slots__ = ("backoff", "retry_at", "up")
+
+    def __init__(self) -> None:
+        self.up = True
+        self.retry_at = 0.0
+        self.backoff = _BACKOFF_MIN_S
+
+
+_Job = tuple[list[bytes], list[tuple[int, ...]], list[bytes | None], torch.Tensor | None]
+
+
+class TierHierarchy:
+    """Ordered storage tiers below one device pool; see the module docstring.
+
+    ``pool``: the device pool (``read_slots`` / ``write_slots``), or ``None`` when it keeps no
+    KV (pages are then bookkeeping only: keys and tokens, no tensors). ``kv_bytes_per_token``:
+    the geometry's, for byte counts and the cost model.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[StorageTier],
+        config: StorageConfig,
+        namespace: TierNamespace,
+        *,
+        pool: Any,
+        page_size: int,
+        kv_bytes_per_token: int,
+        pin_memory: bool = False,
+        observed: bool = False,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a storage hierarchy needs at least one tier")
+        self.tiers = list(tiers)
+        self.config = config
+        self.namespace = namespace
+        self.namespace_id = namespace.id
+        self.page_size = page_size
+        self.write_through = config.write_policy == "write_through"
+        self.stats = HierarchyStats()
+        self._pool = pool
+        self._pin = pin_memory
+        self._bpt = config.cost.kv_bytes_per_token or kv_bytes_per_token
+        self._health = [_Health() for _ in self.tiers]
+        self._moving: dict[bytes, tuple[int, PageData]] = {}  # written below, still readable
+        self._lock = threading.Lock()
+        self._observed = observed
+        self._events: deque[TierEvent] = deque()
+        self._queue: queue.Queue[_Job | None] | None = None
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        if pool is not None:
+            self._kv_shape: tuple[int, ...] | None = (
+                2,
+                pool.num_layers,
+                page_size,
+                pool.kv_heads,
+                pool.head_dim,
+            )
+            self._kv_dtype: torch.dtype | None = pool.store_dtype
+        else:
+            self._kv_shape = self._kv_dtype = None
+        if config.background:
+            self._queue = queue.Queue(maxsize=max(1, config.queue_pages))
+            self._worker = threading.Thread(
+                target=self._run, name="kvplug-tier-demotion", daemon=True
+            )
+            self._worker.start()
+
+    # -- guarded tier calls -------------------------------------------------------------------
+
+    def _usable(self, i: int) -> bool:
+        health = self._health[i]
+        return health.up or time.monotonic() >= health.retry_at
+
+    def _call(self, i: int, what: str, fn: Callable[[], Any], default: Any) -> Any:
+        """``fn()`` on tier ``i``, or ``default`` while the tier is out of use or when it raises."""
+        health = self._health[i]
+        if not health.up and time.monotonic() < health.retry_at:
+            return default
+        try:
+            result = fn()
+        except Exception as exc:
+            tier = self.tiers[i]
+            self.stats.failures[tier.name] += 1
+            if health.up:
+                log.warning(
+                    "storage tier %r failed (%s: %s); recomputing instead, retrying in %.1f s",
+                    tier.name,
+                    what,
+                    exc,
+                    health.backoff,
+                )
+            else:
+                health.backoff = min(health.backoff * 2, _BACKOFF_MAX_S)
+            health.up = False
+            health.retry_at = time.monotonic() + health.backoff
+            return default
+        if not health.up:
+            log.warning("storage tier %r is back (%s succeeded)", self.tiers[i].name, what)
+            health.up = True
+            health.backoff = _BACKOFF_MIN_S
+        return result
+
+    def tier_up(self, name: str) -> bool:
+        """Whether tier ``name`` is in use now (not backing off after a failure)."""
+        return self._health[[t.name for t in self.tiers].index(name)].up
+
+    # -- lookup and load ----------------------------------------------------------------------
+
+    def _present(self, i: int, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` tier ``i`` holds from the first (pages moving below count)."""
+        count = 0
+        with self._lock:
+            moving = self._moving
+            while count < len(keys) and moving.get(keys[count], (-1,))[0] == i:
+                count += 1
+        if count == len(keys):
+            return count
+        rest = keys[count:]
+        found: int = self._call(i, "contains", lambda: self.tiers[i].contains(rest), 0)
+        return count + found
+
+    def locate(self, digests: Iterator[bytes]) -> tuple[list[bytes], list[tuple[int, int]]]:
+        """How far the tiers reach along a prefix's page digests (pulled lazily from
+        ``digests``: 1, then 4, 16, ... at a time, so a miss costs one hash and one lookup).
+
+        Returns the located keys and their runs ``(tier index, pages)`` from the first page:
+        each page is attributed to the fastest tier holding it.
+        """
+        keys: list[bytes] = []
+        runs: list[tuple[int, int]] = []
+        pos, batch = 0, 1
+        while True:
+            new = list(islice(digests, batch))
+            if not new:
+                break
+            keys.extend(new)
+            while pos < len(keys):
+                for i in range(len(self.tiers)):
+                    found = self._present(i, keys[pos:]) if self._usable(i) else 0
+                    if found:
+                        break
+                else:
+                    return keys[:pos], runs
+                if runs and runs[-1][0] == i:
+                    runs[-1] = (i, runs[-1][1] + found)
+                else:
+                    runs.append((i, found))
+                pos += found
+            batch *= 4
+        return keys[:pos], runs
+
+    def plan(self, runs: list[tuple[int, int]], depth: int) -> list[tuple[int, int]]:
+        """The leading runs worth loading at ``depth`` tokens (load time below prefill time),
+        or none when they hold fewer than ``min_load_pages`` pages."""
+        cost, page = self.config.cost, self.page_size
+        out: list[tuple[int, int]] = []
+        total = 0
+        for i, pages in runs:
+            tier = self.tiers[i]
+            tokens = pages * page
+            load_s = tier.latency_s + tokens * self._bpt / tier.bandwidth_bytes_per_s
+            if load_s >= cost.recompute_s(tokens, depth + total * page):
+                break
+            out.append((i, pages))
+            total += pages
+        skipped = sum(p for _, p in runs) - total
+        if total < self.config.min_load_pages:
+            skipped, out = skipped + total, []
+        self.stats.skipped_pages += skipped
+        return out
+
+    def _get(self, i: int, keys: list[bytes]) -> list[PageData | None]:
+        with self._lock:
+            moving = [self._moving.get(key) for key in keys]
+        if all(m is not None and m[0] == i for m in moving):
+            return [m[1] for m in moving if m is not None]
+        pages: list[PageData | None] = self._call(
+            i, "get", lambda: self.tiers[i].get(keys), [None] * len(keys)
+        )
+        return [
+            m[1] if m is not None and m[0] == i and p is None else p
+            for m, p in zip(moving, pages, strict=True)
+        ]
+
+    def load(
+        self, keys: Sequence[bytes], tokens: Sequence[tuple[int, ...]], runs: list[tuple[int, int]]
+    ) -> tuple[list[PageData], list[tuple[str, int]]]:
+        """Read the pages of ``runs`` and check each one; return the verified pages from the
+        first (stopping at the first page no tier has, or one that fails its checks) and the
+        tokens per tier, in load order.
+
+        A page its planned tier no longer has (pushed down since ``locate``, e.g. by the
+        demotions of the eviction that made room for this load) is looked for in the other
+        tiers. A page that fails its checks is removed from its tier and counted.
+        """
+        planned = [i for i, count in runs for _ in range(count)]
+        verified: list[PageData] = []
+        per_tier: list[tuple[str, int]] = []
+        pos = 0
+        while pos < len(planned):
+            first = planned[pos]
+            end = pos
+            while end < len(planned) and planned[end] == first:
+                end += 1
+            good, corrupt = 0, False
+            for i in [first, *(t for t in range(len(self.tiers)) if t != first)]:
+                if not self._usable(i):
+                    continue
+                good, corrupt = self._load_run(
+                    i, keys, tokens, pos, end if i == first else len(planned), verified
+                )
+                if good or corrupt:
+                    if good:
+                        self._count_load(i, good, per_tier)
+                    break
+            if corrupt or not good:
+                break
+            pos += good
+        return verified, per_tier
+
+    def _load_run(
+        self,
+        i: int,
+        keys: Sequence[bytes],
+        tokens: Sequence[tuple[int, ...]],
+        start: int,
+        end: int,
+        verified: list[PageData],
+    ) -> tuple[int, bool]:
+        """Read ``keys[start:end]`` from tier ``i``; append the verified leading pages. Returns
+        how many, and whether a page failed its checks (then removed, counted)."""
+        tier = self.tiers[i]
+        good = 0
+        for j, page in enumerate(self._get(i, list(keys[start:end]))):
+            if page is None:
+                break
+            try:
+                check_page(
+                    self.namespace_id,
+                    page,
+                    keys[start + j],
+                    tokens[start + j],
+                    self._kv_shape,
+                    self._kv_dtype,
+                )
+            except CorruptPageError as exc:
+                key = keys[start + j]
+                log.warning(
+                    "storage tier %r: discarding page %s: %s", tier.name, key.hex()[:16], exc
+                )
+                self.stats.corrupt_pages += 1
+                self._call(i, "remove", functools.partial(tier.remove, [key]), 0)
+                return good, True
+            verified.append(page)
+            good += 1
+        return good, False
+
+    def _count_load(self, i: int, pages: int, per_tier: list[tuple[str, int]]) -> None:
+        tier = self.tiers[i]
+        tokens = pages * self.page_size
+        moved = tokens * self._bpt
+        if per_tier and per_tier[-1][0] == tier.name:
+            per_tier[-1] = (tier.name, per_tier[-1][1] + tokens)
+        else:
+            per_tier.append((tier.name, tokens))
+        self.stats.hit_tokens[tier.name] += tokens
+        self.stats.transfer_bytes[f"{tier.medium}_to_{DEVICE_MEDIUM}"] += moved
+        self.stats.load_seconds[tier.name] += tier.latency_s + moved / tier.bandwidth_bytes_per_s
+
+    # -- demotion ---------------------------------------------------------------------------
+
+    def demote(
+        self,
+        keys: list[bytes],
+        tokens: list[tuple[int, ...]],
+        parents: list[bytes | None],
+        slots: torch.Tensor,
+    ) -> None:
+        """Store these pages below the device: their KV is copied out of the pool now (the
+        slots may be freed as soon as this returns), stored by the worker later. Never raises,
+        never waits: a full queue or no tier in use drops the pages and counts them."""
+        if not keys:
+            return
+        try:
+            if self._closed or not any(self._usable(i) for i in range(len(self.tiers))):
+                self.stats.dropped_pages += len(keys)
+                return
+            kv = self._pool.read_slots(slots) if self._pool is not None else None
+            job: _Job = (keys, tokens, parents, kv)
+            if self._queue is None:
+                self._store(job)
+                return
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.stats.dropped_pages += len(keys)
+        except Exception:  # a pool copy that failed: the pages are recomputed later
+            log.exception("storage hierarchy: demotion of %d pages failed", len(keys))
+            self.stats.dropped_pages += len(keys)
+
+    def _pages_of(self, job: _Job) -> list[PageData]:
+        """Host pages with checksums, from a demotion's device copy."""
+        keys, tokens, parents, kv = job
+        if kv is None:
+            pages = [PageData(k, t, p, None) for k, t, p in zip(keys, tokens, parents, strict=True)]
+        else:
+            n, page = len(keys), self.page_size
+            two, layers, _, heads, dim = kv.shape
+            by_page = kv.view(two, layers, n, page, heads, dim).permute(2, 0, 1, 3, 4, 5)
+            if kv.device.type == "cpu":
+                host = by_page.contiguous()
+            else:
+                host = torch.empty(by_page.shape, dtype=kv.dtype, pin_memory=self._pin)
+                host.copy_(by_page)
+            pages = [
+                PageData(k, t, p, host[j])
+                for j, (k, t, p) in enumerate(zip(keys, tokens, parents, strict=True))
+            ]
+        for p in pages:
+            p.checksum = page_checksum(self.namespace_id, p)
+        return pages
+
+    def _store(self, job: _Job) -> None:
+        """Store one demotion in the first tier in use, cascading what each tier pushes out."""
+        try:
+            pages = self._pages_of(job)
+        except Exception:
+            log.exception("storage hierarchy: copying %d pages to the host failed", len(job[0]))
+            self.stats.dropped_pages += len(job[0])
+            return
+        source = DEVICE_MEDIUM
+        for i, tier in enumerate(self.tiers):
+            if not pages:
+                return
+            if not self._usable(i):
+                continue
+            out: list[PageData] | None = self._call(
+                i, "put", functools.partial(tier.put, pages), None
+            )
+            if out is None:
+                continue  # failed: try the next tier with the same pages
+            self.stats.transfer_bytes[f"{source}_to_{tier.medium}"] += (
+                len(pages) * self.page_size * self._bpt
+            )
+            if source == DEVICE_MEDIUM:
+                self.stats.demoted_pages += len(pages)
+            self._event("stored", tier.medium, pages)
+            if out:
+                self._event("removed", tier.medium, out)
+                with self._lock:
+                    for p in out:
+                        self._moving[p.key] = (i, p)
+            with self._lock:
+                for p in pages:
+                    moving = self._moving.get(p.key)
+                    if moving is not None and moving[0] < i:
+                        del self._moving[p.key]
+            pages, source = out, tier.medium
+        if pages:  # pushed out of the last tier in use: gone
+            with self._lock:
+                for p in pages:
+                    self._moving.pop(p.key, None)
+        if source == DEVICE_MEDIUM:
+            self.stats.dropped_pages += len(job[0])
+
+    def _event(
+        self, kind: Literal["stored", "removed"], medium: str, pages: list[PageData]
+    ) -> None:
+        if self._observed:
+            self._events.append(TierEvent(kind, medium, tuple(pages)))
+
+    def take_events(self) -> list[TierEvent]:
+        """The tier events since the last call (the cache reports them on its own thread)."""
+        events = self._events
+        out = []
+        while events:
+            out.append(events.popleft())
+        return out
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._store(job)
+            finally:
+                self._queue.task_done()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every queued demotion is stored (tests, shutdown)."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def clear(self) -> None:
+        """Drop every page of every tier (a cache ``reset``)."""
+        self.flush()
+        with self._lock:
+            self._moving.clear()
+        for i, tier in enumerate(self.tiers):
+            self._call(i, "clear", tier.clear, None)
+
+    def close(self) -> None:
+        """Store what is queued, stop the worker, close the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._queue is not None and self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+        for tier in self.tiers:
+            with contextlib.suppress(Exception):
+                tier.close()
+
+    def tier_stats(self) -> list[dict[str, Any]]:
+        """Each tier's own ``stats()`` (``{}`` for one that cannot answer now)."""
+        out = []
+        for i, tier in enumerate(self.tiers):
+            s = self._call(i, "stats", tier.stats, None)
+            out.append(s.model_dump() if s is not None else {"name": tier.name})
+        return out
+
+    def __repr__(self) -> str:
+        names = ", ".join(t.name for t in self.tiers)
+        return f"TierHierarchy([{names}], write_policy={self.config.write_policy!r})"

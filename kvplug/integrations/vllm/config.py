@@ -13,6 +13,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pydantic import StrictBool
+
 from kvplug_hookspecs import ComponentSelection, EvictionPolicy, FrozenModel
 
 from ...errors import ConfigError, KvplugError
@@ -46,11 +48,14 @@ class VllmPluginConfig(FrozenModel):
     ``eviction_policy`` ranks the GPU block pool's free cached blocks; ``offload_eviction_policy``
     ranks the CPU-offload tier's chunks when its ``KvplugCachePolicy`` is used (the GPU policy
     when unset). Each is a name or ``{"name": ..., "options": {...}}``; options are validated by
-    the policy's own model.
+    the policy's own model. ``chain_protection`` offers the policy only chain leaves (blocks
+    whose successor is not cached) in full-attention groups; unset, it is on for every policy
+    but ``lru``, which then keeps vLLM's own order whatever order blocks are freed in.
     """
 
     eviction_policy: ComponentSelection = ComponentSelection(name="lru")
     offload_eviction_policy: ComponentSelection | None = None
+    chain_protection: StrictBool | None = None
 
 
 def selected_config(

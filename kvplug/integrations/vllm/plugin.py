@@ -111,7 +111,12 @@ def activate(scheduler: Any) -> Any:
 
     pool = scheduler.kv_cache_manager.block_pool
     policy = policy_factory(config.eviction_policy)()
-    queue = install_policy(pool, policy, chain_group_ids=chain_group_ids(scheduler.kv_cache_config))
+    queue = install_policy(
+        pool,
+        policy,
+        chain_group_ids=chain_group_ids(scheduler.kv_cache_config),
+        chain_protection=config.chain_protection,
+    )
     if not pool.enable_caching:
         log.warning(
             "kvplug: eviction policy %r selected but prefix caching is disabled; "

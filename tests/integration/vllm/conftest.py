@@ -167,7 +167,10 @@ def make_engine(
 
 
 def make_manager(
-    num_blocks: int, block_size: int = 16, sliding_window_blocks: int | None = None
+    num_blocks: int,
+    block_size: int = 16,
+    sliding_window_blocks: int | None = None,
+    enable_kv_cache_events: bool = False,
 ) -> Any:
     """vLLM's KVCacheManager: one full-attention group, plus two sliding-window groups when
     ``sliding_window_blocks`` is given (a hybrid model)."""
@@ -194,6 +197,7 @@ def make_manager(
         scheduler_block_size=block_size,
         hash_block_size=block_size,
         enable_caching=True,
+        enable_kv_cache_events=enable_kv_cache_events,
     )
 
 

@@ -30,6 +30,14 @@ def test_additional_config_selects_and_validates_options() -> None:
     assert config.offload_eviction_policy is None
 
 
+def test_chain_protection_is_optional_and_strict() -> None:
+    assert selected_config({"kvplug": "lru"}, environ={}).chain_protection is None  # type: ignore[union-attr]
+    config = selected_config({"kvplug": {"chain_protection": True}}, environ={})
+    assert config is not None and config.chain_protection is True
+    with pytest.raises(ValidationError, match="chain_protection"):
+        selected_config({"kvplug": {"chain_protection": "yes"}}, environ={})
+
+
 def test_additional_config_wins_over_env() -> None:
     config = selected_config({"kvplug": "lfu"}, environ={"KVPLUG_VLLM": "fifo"})
     assert config is not None and config.eviction_policy.name == "lfu"

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from pydantic import ValidationError
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
 from kvplug import (
     EvictionPolicyRegistration,
@@ -26,7 +27,7 @@ from kvplug import (
 )
 from kvplug.errors import UnknownComponentError
 from kvplug.integrations.vllm import UnsupportedVllmError, plugin, selected_config
-from kvplug.integrations.vllm.block_pool import installed_policy
+from kvplug.integrations.vllm.block_pool import PolicyFreeBlockQueue, installed_policy
 from kvplug.policies import LFUPolicy, SLRUPolicy
 from tests.integration.vllm.conftest import check_pool, make_engine
 
@@ -106,6 +107,30 @@ def test_activation_routes_run_the_scheduler(
     assert engine.pool.get_num_free_blocks() == 23
     check_pool(engine.scheduler.kv_cache_manager)
     assert engine.scheduler.reset_prefix_cache()
+    check_pool(engine.scheduler.kv_cache_manager)
+
+
+@pytest.mark.parametrize(
+    ("selection", "queue_class", "chain_groups"),
+    [
+        ("lru", FreeKVCacheBlockQueue, None),
+        ({"eviction_policy": "lru", "chain_protection": True}, PolicyFreeBlockQueue, {0}),
+        ({"eviction_policy": "lru", "chain_protection": False}, FreeKVCacheBlockQueue, None),
+        ("slru", PolicyFreeBlockQueue, {0}),
+        ({"eviction_policy": "slru", "chain_protection": False}, PolicyFreeBlockQueue, set()),
+    ],
+)
+def test_chain_protection_default_and_option(
+    selection: Any, queue_class: type, chain_groups: set[int] | None, tiny_model_dir: str
+) -> None:
+    """lru keeps vLLM's own list unless chain protection is asked for; other policies protect
+    the full-attention group's chains unless it is turned off."""
+    engine = make_engine(tiny_model_dir, additional_config={"kvplug": selection})
+    queue = engine.pool.free_block_queue
+    assert type(queue) is queue_class
+    assert getattr(engine.pool, "_kvplug_chain_groups", None) == chain_groups
+    engine.serve(engine.request("a", list(range(40))))
+    assert engine.pool.get_num_free_blocks() == 31
     check_pool(engine.scheduler.kv_cache_manager)
 
 

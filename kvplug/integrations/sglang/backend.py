@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
-from array import array
 from typing import Any
 
 import torch
@@ -51,12 +49,12 @@ from .config import (
     policy_selection,
 )
 from .events import NAMESPACE_SEPARATOR, SGLangKVEvents
+from .tokens import TokenTuples
 
 __all__ = [
     "KvplugPrefixCache",
     "NoAllocator",
     "SGLangAllocatorView",
-    "TokenTuples",
     "check_supported",
     "sglang_cache_options",
 ]
@@ -152,53 +150,6 @@ def _is_test_double(allocator: Any) -> bool:
     from unittest import mock
 
     return isinstance(allocator, mock.NonCallableMock)
-
-
-class TokenTuples:
-    """SGLang's token arrays as the tuples kvplug's cache keys are, converted once per array.
-
-    The scheduler matches every waiting request each round, and checkpoints a running one,
-    with the same growing ``array('q')`` (``req.full_untruncated_fill_ids``); turning its
-    tokens into a tuple of ints each time costs more than the whole tree walk. The tuple made
-    for an array is kept with a copy of the tokens it was made from, and reused only when the
-    array still starts with those tokens (one C-level compare): a request's array that changed
-    in place gets a fresh tuple, never a stale one. Entries die with their array (a weak
-    reference); at most ``capacity`` are kept.
-    """
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self._memo: dict[int, tuple[Any, array[int], tuple[int, ...]]] = {}
-
-    def get(self, ids: Any, length: int) -> tuple[int, ...]:
-        """``tuple(ids[:length])``, from the memo when ``ids`` is a memoised array."""
-        if type(ids) is not array:  # lists and other sequences (tests, tools): no memo
-            return tuple(ids[:length])
-        memo = self._memo
-        key = id(ids)
-        entry = memo.get(key)
-        if entry is not None and entry[0]() is ids:
-            _, seen, tokens = entry
-            have = len(seen)
-            if length <= have:
-                if ids[:length] == seen[:length]:
-                    return tokens if length == have else tokens[:length]
-            elif ids[:have] == seen:
-                tokens = tokens + tuple(ids[have:length])
-                memo[key] = (entry[0], ids[:length], tokens)
-                return tokens
-        tokens = tuple(ids[:length])
-        if len(memo) >= self.capacity:
-            memo.pop(next(iter(memo)))
-
-        def forget(_: Any, key: int = key) -> None:
-            memo.pop(key, None)
-
-        memo[key] = (weakref.ref(ids, forget), ids[:length], tokens)
-        return tokens
-
-    def clear(self) -> None:
-        self._memo.clear()
 
 
 def sglang_cache_options(config: SGLangPluginConfig) -> dict[str, Any]:

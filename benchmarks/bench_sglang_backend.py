@@ -8,10 +8,11 @@ of ``tests/integration/sglang/conftest.py``: ``PrefillAdder``, ``ScheduleBatch``
 system prompts, the pool is small enough that admissions evict. Only the time spent inside the
 cache's own methods is counted (``match_prefix``, ``touch_prefix``, ``checkpoint``,
 ``evict``/``evict_for_alloc``, ``inc_lock_ref``/``dec_lock_ref``, ``path_device_indices``,
-``free_kv_row``; a call made from inside another is part of the outer one). Reported: calls per
-second per method and overall (median of ``--repeat`` runs), and the ratio kvplug / default
-(above 1: kvplug is faster). Needs SGLang (``scripts/integration-env.sh sglang``); run from the
-repository root.
+``prefix_device_indices``, ``free_kv_row``; a call made from inside another is part of the outer
+one). The two caches run in interleaved repetitions (the order alternates), each on a fresh
+engine. Reported per method and overall: the median calls/s of each, the median and spread of
+the per-repetition ratio kvplug / default (above 1: kvplug is faster), and the call counts.
+Needs SGLang (``scripts/integration-env.sh sglang``); run from the repository root.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def main() -> None:
         "(median of the per-repetition ratios, min-max; above 1: kvplug is faster)"
     )
     for page_size in (1, 16):
-        for label, backend in LABELS:  # warm-up: imports, first-call costs
+        for _, backend in LABELS:  # warm-up: imports, first-call costs
             run(backend, page_size, 20, seed=99)
         timers: dict[str, list[CallTimer]] = {label: [] for label, _ in LABELS}
         for r in range(args.repeat):

@@ -8,10 +8,11 @@ of ``tests/integration/sglang/conftest.py``: ``PrefillAdder``, ``ScheduleBatch``
 system prompts, the pool is small enough that admissions evict. Only the time spent inside the
 cache's own methods is counted (``match_prefix``, ``touch_prefix``, ``checkpoint``,
 ``evict``/``evict_for_alloc``, ``inc_lock_ref``/``dec_lock_ref``, ``path_device_indices``,
-``free_kv_row``; a call made from inside another is part of the outer one). Reported: calls per
-second per method and overall (median of ``--repeat`` runs), and the ratio kvplug / default
-(above 1: kvplug is faster). Needs SGLang (``scripts/integration-env.sh sglang``); run from the
-repository root.
+``prefix_device_indices``, ``free_kv_row``; a call made from inside another is part of the outer
+one). The two caches run in interleaved repetitions (the order alternates), each on a fresh
+engine. Reported per method and overall: the median calls/s of each, the median and spread of
+the per-repetition ratio kvplug / default (above 1: kvplug is faster), and the call counts.
+Needs SGLang (``scripts/integration-env.sh sglang``); run from the repository root.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ METHODS = (
     "inc_lock_ref",
     "dec_lock_ref",
     "path_device_indices",
+    "prefix_device_indices",
     "free_kv_row",
 )
 
@@ -94,46 +96,66 @@ def run(backend: str | None, page_size: int, n: int, seed: int = 0) -> CallTimer
     return timer
 
 
+LABELS = (("default", None), ("kvplug", "kvplug"))
+
+
+def rates(timer: CallTimer) -> dict[str, float]:
+    """Calls per second inside the cache, per method and for all of them."""
+    out = {name: timer.calls[name] / timer.seconds[name] for name in METHODS if timer.calls[name]}
+    out["all"] = sum(timer.calls.values()) / sum(timer.seconds.values())
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="100 requests, 1 repeat")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="100 requests, 3 repetitions")
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.repeat = 100, 1
-    print(f"{args.requests} requests, median of {args.repeat} runs; calls/s inside the cache")
+        args.requests, args.repeat = 100, 3
+    print(
+        f"{args.requests} requests; {args.repeat} interleaved repetitions (the order alternates), "
+        "each on a fresh engine; calls/s inside the cache (median), ratio kvplug / default "
+        "(median of the per-repetition ratios, min-max; above 1: kvplug is faster)"
+    )
     for page_size in (1, 16):
-        rates: dict[str, dict[str, float]] = {}
-        for label, backend in (("default", None), ("kvplug", "kvplug")):
-            per_run = []
-            for r in range(args.repeat):
-                per_run.append(run(backend, page_size, args.requests, seed=r))
-            rate: dict[str, float] = {}
-            for name in (*METHODS, "all"):
-                values = []
-                for timer in per_run:
-                    if name == "all":
-                        calls, secs = sum(timer.calls.values()), sum(timer.seconds.values())
-                    else:
-                        calls, secs = timer.calls[name], timer.seconds[name]
-                    if calls:
-                        values.append(calls / secs)
-                if values:
-                    rate[name] = statistics.median(values)
-            rate["calls"] = float(sum(per_run[0].calls.values()))
-            rate["ms"] = statistics.median(sum(t.seconds.values()) * 1e3 for t in per_run)
-            rates[label] = rate
-        default, kvplug = rates["default"], rates["kvplug"]
+        for _, backend in LABELS:  # warm-up: imports, first-call costs
+            run(backend, page_size, 20, seed=99)
+        timers: dict[str, list[CallTimer]] = {label: [] for label, _ in LABELS}
+        for r in range(args.repeat):
+            order = LABELS if r % 2 == 0 else LABELS[::-1]
+            for label, backend in order:
+                timers[label].append(run(backend, page_size, args.requests, seed=r))
+        per_run = {label: [rates(t) for t in timers[label]] for label in timers}
         print(f"\npage_size={page_size}")
-        print(f"{'method':<20}{'default/s':>12}{'kvplug/s':>12}{'ratio':>8}")
+        header = f"{'method':<20}{'default/s':>11}{'kvplug/s':>11}{'ratio':>7}{'min-max':>12}"
+        print(f"{header}{'calls default':>15}{'calls kvplug':>14}")
         for name in (*METHODS, "all"):
-            if name in default and name in kvplug:
-                ratio = kvplug[name] / default[name]
-                print(f"{name:<20}{default[name]:>12.0f}{kvplug[name]:>12.0f}{ratio:>8.2f}")
+            default_runs, kvplug_runs = per_run["default"], per_run["kvplug"]
+            if not all(name in d for d in default_runs + kvplug_runs):
+                calls = [timers[label][0].calls[name] for label in timers]
+                if any(calls):
+                    print(f"{name:<20}{'':>41}{calls[0]:>15}{calls[1]:>14}")
+                continue
+            ratios = [k[name] / d[name] for d, k in zip(default_runs, kvplug_runs, strict=True)]
+            d_med = statistics.median(d[name] for d in default_runs)
+            k_med = statistics.median(k[name] for k in kvplug_runs)
+            if name == "all":
+                calls = [sum(timers[label][0].calls.values()) for label in timers]
+            else:
+                calls = [timers[label][0].calls[name] for label in timers]
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+            print(
+                f"{name:<20}{d_med:>11.0f}{k_med:>11.0f}{statistics.median(ratios):>7.2f}"
+                f"{spread:>12}{calls[0]:>15}{calls[1]:>14}"
+            )
+        ms = {
+            label: statistics.median(sum(t.seconds.values()) * 1e3 for t in timers[label])
+            for label in timers
+        }
         print(
-            f"total time in cache: default {default['ms']:.1f} ms ({default['calls']:.0f} "
-            f"calls), kvplug {kvplug['ms']:.1f} ms ({kvplug['calls']:.0f} calls)"
+            f"time in cache (median): default {ms['default']:.1f} ms, kvplug {ms['kvplug']:.1f} ms"
         )
 
 

@@ -29,6 +29,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InsertParams,
+    InsertResult,
     MatchPrefixParams,
     MatchResult,
 )
@@ -47,8 +49,15 @@ from .config import (
     policy_selection,
 )
 from .events import NAMESPACE_SEPARATOR, SGLangKVEvents
+from .tokens import TokenTuples
 
-__all__ = ["KvplugPrefixCache", "SGLangAllocatorView", "check_supported"]
+__all__ = [
+    "KvplugPrefixCache",
+    "NoAllocator",
+    "SGLangAllocatorView",
+    "check_supported",
+    "sglang_cache_options",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +65,18 @@ logger = logging.getLogger(__name__)
 class SGLangAllocatorView:
     """SGLang's token allocator seen as a kvplug ``TokenAllocator``: the cache frees through it.
 
-    Nothing is copied or re-owned: ``free`` is SGLang's ``free`` (whole pages on a paged
-    allocator), sizes are SGLang's.
+    Nothing is copied or re-owned: ``free`` is SGLang's ``free_segment(..., start_pos=0)``, the
+    call SGLang's own tree makes for cached pages (whole pages on a paged allocator); sizes are
+    SGLang's. A test double (``unittest.mock``), which SGLang's own cache tests pass, is read
+    as SGLang's tree reads it: its ``device`` when it is one, else the CPU.
     """
 
-    def __init__(self, allocator: Any) -> None:
+    def __init__(self, allocator: Any, page_size: int) -> None:
         self.sglang = allocator
-        self.size = int(allocator.size)
-        self.page_size = int(allocator.page_size)
-        self.device = torch.device(allocator.device)
+        self.page_size = page_size
+        self.device = _device_of(allocator)
+        size = getattr(allocator, "size", 0)
+        self.size = size if isinstance(size, int) else 0
         self.pool = allocator.get_kvcache()
 
     def available_size(self) -> int:
@@ -75,7 +87,7 @@ class SGLangAllocatorView:
         return result
 
     def free(self, indices: torch.Tensor) -> None:
-        self.sglang.free(indices)
+        self.sglang.free_segment(indices, start_pos=0)
 
     def shortfall(self, num_tokens: int) -> KvplugEvictParams | None:
         deficit = num_tokens - self.available_size()
@@ -93,6 +105,68 @@ class SGLangAllocatorView:
         self.sglang.free_group_end()
 
 
+class NoAllocator:
+    """The allocator of a cache built with ``token_to_kv_pool_allocator=None`` (SGLang's
+    simulated tree, ``RadixCache.create_simulated()``): the cache keeps the values it is given
+    and frees nothing, as SGLang's tree does; it has no slots to hand out."""
+
+    sglang = None
+    size = 0
+    pool = None
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.device = torch.device("cpu")
+
+    def available_size(self) -> int:
+        return 0
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        return None
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Nothing to give back: the values were never slots of an allocator."""
+
+    def shortfall(self, num_tokens: int) -> KvplugEvictParams | None:
+        return None
+
+    def clear(self) -> None:
+        pass
+
+    def free_group_begin(self) -> None:
+        pass
+
+    def free_group_end(self) -> None:
+        pass
+
+
+def _device_of(allocator: Any) -> torch.device:
+    device = getattr(allocator, "device", None)
+    return torch.device(device) if isinstance(device, (str, torch.device)) else torch.device("cpu")
+
+
+def _is_test_double(allocator: Any) -> bool:
+    """A ``unittest.mock`` object: SGLang's cache tests pass one as the allocator."""
+    from unittest import mock
+
+    return isinstance(allocator, mock.NonCallableMock)
+
+
+def sglang_cache_options(config: SGLangPluginConfig) -> dict[str, Any]:
+    """The kvplug cache's options under SGLang: the ``radix`` cache evicts whole leaves
+    (``granularity="leaf"``), as SGLang's own tree does, unless ``KVPLUG_SGLANG`` says
+    otherwise (``"exact"``: the last victim is cut to the shortfall, at most a page more).
+
+    Whole leaves are SGLang's eviction: the same victims, the same freed slots, and as many
+    eviction calls as SGLang's tree makes (an exact eviction leaves the allocator no headroom,
+    so the next decode step evicts again).
+    """
+    options = dict(config.cache_options)
+    if config.prefix_cache == "radix":
+        options.setdefault("granularity", "leaf")
+    return options
+
+
 def check_supported(ctx: Any) -> None:
     """Refuse, one message each, what the backend does not run; never fall back silently."""
     params = ctx.params
@@ -105,8 +179,6 @@ def check_supported(ctx: Any) -> None:
         refused.append("DeepSeek sparse-attention (DSA) models")
     if ctx.enable_hierarchical_cache:
         refused.append("--enable-hierarchical-cache (HiCache)")
-    if ctx.disable_radix_cache:
-        refused.append("--disable-radix-cache (kvplug is a prefix cache; drop one of the flags)")
     if params.is_eagle:
         refused.append("EAGLE speculative decoding (bigram keys)")
     if params.enable_kv_cache_events and getattr(params, "dynamo_kv_event_format", False):
@@ -119,7 +191,9 @@ def check_supported(ctx: Any) -> None:
     if params.pp_size > 1 or params.attn_cp_size > 1:
         refused.append("pipeline or context parallelism")
     allocator = params.token_to_kv_pool_allocator
-    if type(allocator) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
+    if allocator is None or _is_test_double(allocator):
+        pass  # SGLang's simulated and mocked-allocator trees (its cache tests build them)
+    elif type(allocator) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
         refused.append(f"the {type(allocator).__name__} allocator")
     elif params.page_size != allocator.page_size:
         refused.append(
@@ -137,28 +211,44 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
 
     Node handles (``req.last_node``) are the kvplug cache's nodes or blocks; ``root_node`` is
     its root. ``cache`` is the kvplug cache, ``policy`` its eviction policy.
+
+    The constructions SGLang's own ``RadixCache`` accepts are accepted alike: ``disable=True``
+    (``--disable-radix-cache``) caches nothing (every match is empty, ``insert`` and
+    ``checkpoint`` store nothing, ``evict`` frees nothing, locks move nothing); without an
+    allocator (``token_to_kv_pool_allocator=None``) the cache keeps the values it is given and
+    frees nothing on eviction; a ``unittest.mock`` allocator is called as SGLang's tree calls it.
     """
 
     def __init__(self, params: Any, config: SGLangPluginConfig, selection: ComponentSelection):
         from ...registry import get_registry
 
-        self.disable = False
+        self.disable = bool(params.disable)
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
         self.config = config
         self.policy_selection = selection
-        self.allocator_view = SGLangAllocatorView(self.token_to_kv_pool_allocator)
+        allocator = self.token_to_kv_pool_allocator
+        self.allocator_view: SGLangAllocatorView | NoAllocator
+        if allocator is None:
+            self.allocator_view = NoAllocator(self.page_size)
+        else:
+            self.allocator_view = SGLangAllocatorView(allocator, self.page_size)
+        self.device = self.allocator_view.device
+        self._tuples = TokenTuples()
         self._new_policy = policy_factory(selection)
         registry = get_registry()
-        cache_selection = ComponentSelection(name=config.prefix_cache, options=config.cache_options)
+        cache_selection = ComponentSelection(
+            name=config.prefix_cache, options=sglang_cache_options(config)
+        )
         self._cache_kind = registry.resolve("prefix_cache", cache_selection)
         self._events = registry.cache_events()
         # insert(prev=...) continues from the request's last node (radix only)
         self._resumable = config.prefix_cache == "radix"
-        self._empty = torch.empty(0, dtype=torch.int64)
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._kv_events: SGLangKVEvents | None = None
-        if params.enable_kv_cache_events:  # --kv-events-config: SGLang's recorder, our events
+        # --kv-events-config: SGLang's recorder, our events (a disabled tree reports none)
+        if params.enable_kv_cache_events and not self.disable:
             from sglang.srt.mem_cache.events import KVCacheEventRecorder
 
             self.kv_events = KVCacheEventRecorder(enabled=True, page_size=self.page_size)
@@ -178,7 +268,12 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         """Build from SGLang's ``TreeCacheBuildContext``, validating everything first."""
         check_supported(ctx)
         params = ctx.params
-        selection = policy_selection(params.eviction_policy, params.eviction_policy_config)
+        if params.disable or ctx.disable_radix_cache:
+            # SGLang's disabled tree neither builds nor validates its eviction policy
+            params.disable = True
+            selection = ComponentSelection(name="lru")
+        else:
+            selection = policy_selection(params.eviction_policy, params.eviction_policy_config)
         config = plugin_config()
         if config.prefix_cache == "block_hash":
             schedule_policy = getattr(ctx.server_args, "schedule_policy", None)
@@ -220,6 +315,7 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         )
         self.cache = self._cache_kind.registration.factory(context, self._cache_kind.options)
         self.root_node = self.cache.root
+        self._tuples.clear()
 
     @property
     def policy(self) -> Any:
@@ -227,25 +323,35 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         return self.cache.policy
 
     def supports_prefix_sharing(self) -> bool:
-        return True
+        return not self.disable
 
     # -- keys -----------------------------------------------------------------------------------
 
-    def _cache_key(self, key: Any, length: int | None = None) -> CacheKey:
-        """A kvplug key for an SGLang ``RadixKey``, page-aligned; the salt joins the namespace."""
-        if getattr(key, "is_bigram", False):
+    def _cache_key(self, key: Any) -> CacheKey:
+        """A kvplug key for an SGLang ``RadixKey`` (its ``limit`` honoured), page-aligned; the
+        salt joins the namespace. The tokens come from :class:`TokenTuples` (no per-call copy
+        of a request's array)."""
+        if key.is_bigram:
             raise UnsupportedSGLangError("kvplug backend: bigram (EAGLE) keys are not supported")
-        ids = key.raw_token_ids() if length is None else key.token_ids[:length]
-        aligned = len(ids) - len(ids) % self.page_size
-        namespace = key.extra_key
-        if key.cache_salt:
-            namespace = f"{namespace}{NAMESPACE_SEPARATOR}{key.cache_salt}"
-        return CacheKey(tuple(ids[:aligned]), namespace)
+        ids = key.token_ids
+        length = len(ids)
+        if key.limit is not None and key.limit < length:
+            length = key.limit
+        return self._key(ids, length - length % self.page_size, key.extra_key, key.cache_salt)
+
+    def _key(self, ids: Any, aligned: int, extra_key: Any, cache_salt: Any) -> CacheKey:
+        namespace = extra_key
+        if cache_salt:
+            namespace = f"{namespace}{NAMESPACE_SEPARATOR}{cache_salt}"
+        return CacheKey(self._tuples.get(ids, aligned), namespace)
 
     # -- match ----------------------------------------------------------------------------------
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """The cached prefix and its node; a probe: no hit, no statistic, no index tensor."""
+        if self.disable:
+            root = self.root_node
+            return MatchResult(0, root, root, root)
         found = self.cache.match_prefix(self._cache_key(params.key), record_hit=False, gather=False)
         node = found.last_node
         return MatchResult(
@@ -256,13 +362,40 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         )
 
     def touch_prefix(self, key: Any) -> None:
-        self.cache.touch_prefix(self._cache_key(key))
+        if not self.disable:
+            self.cache.touch_prefix(self._cache_key(key))
 
     def path_device_indices(self, node: Any) -> torch.Tensor:
         indices: torch.Tensor = self.cache.path_indices(node)
         return indices
 
     # -- insert ---------------------------------------------------------------------------------
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """SGLang's ``insert``: cache ``params.key`` (page-aligned) with ``params.value``.
+
+        As SGLang's tree: ``value=None`` caches the token ids themselves as values (SGLang's
+        debug and test fallback); ``prefix_len`` is the length that was already cached; the
+        caller keeps (and frees) its own slots for that part, so nothing is freed here;
+        ``inserted_len`` is how much this request inserted before (its nodes are not counted a
+        hit again). The scheduler itself inserts through ``checkpoint``.
+        """
+        if self.disable:
+            return InsertResult(prefix_len=0)
+        key = self._cache_key(params.key)
+        aligned = len(key.token_ids)
+        if params.value is None:
+            value = torch.tensor(key.token_ids, dtype=torch.int64, device=self.device)
+        else:
+            value = params.value[:aligned]
+        found = self.cache.match_prefix(key, record_hit=False)
+        prefix = found.prefix_len
+        if prefix:  # the cached slots for the cached part: the caller's stay the caller's
+            value = torch.cat((found.device_indices, value[prefix:].to(torch.int64)))
+        hits_after = params.inserted_len or 0
+        self.cache.insert(key, value, priority=params.priority or 0, hits_after=hits_after)
+        node = self.cache.match_prefix(key, record_hit=False, gather=False).last_node
+        return InsertResult(prefix_len=prefix, last_device_node=node)
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         """Cache the request's row up to ``up_to``, repoint the row at the cached slots, move
@@ -272,10 +405,12 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         ``[cache_protected_len, prefix)`` that differ from the cached ones); the unaligned tail
         stays the request's, for ``release_kv_cache`` to free.
         """
+        if self.disable:
+            return
         kv = req.kv
-        token_ids = req.full_untruncated_fill_ids[:up_to]
-        key = self._cache_key_of(req, token_ids)
-        aligned = len(key.token_ids)
+        aligned = min(up_to, len(req.full_untruncated_fill_ids))
+        aligned -= aligned % self.page_size
+        key = self._key(req.full_untruncated_fill_ids, aligned, req.extra_key, req.cache_salt)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         values = row[:aligned].to(dtype=torch.int64, copy=True)
         priority, hits_after = req.priority or 0, kv.cache_inserted_len
@@ -301,15 +436,12 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         req.lock = self.lock(node)
         req.last_node = node
 
-    def _cache_key_of(self, req: Any, token_ids: Any) -> CacheKey:
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        return self._cache_key(RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt))
-
     # -- eviction and locks ---------------------------------------------------------------------
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free ``params.num_tokens`` cached tokens in the kvplug policy's order (whole pages)."""
+        if self.disable:
+            return EvictResult()
         start = time.perf_counter()
         if params.swa_num_tokens or params.mamba_num:
             raise UnsupportedSGLangError("kvplug backend: SWA / Mamba eviction is not supported")
@@ -318,9 +450,13 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         return EvictResult(num_tokens_evicted=result.num_tokens)
 
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if self.disable:
+            return IncLockRefResult(delta=0)
         return IncLockRefResult(delta=self.cache.inc_lock_ref(node))
 
     def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        if self.disable:
+            return DecLockRefResult(delta=0)
         return DecLockRefResult(delta=self.cache.dec_lock_ref(node))
 
     # -- sizes and inspection -------------------------------------------------------------------

@@ -122,15 +122,16 @@ def build_context(server_args: Any, capacity: int, **overrides: Any) -> Any:
     else:
         allocator = PagedTokenToKVPoolAllocator(capacity, page, torch.float16, "cpu", kv, False)
     req_pool = ReqToTokenPool(16, 1024, "cpu", False)
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=req_pool,
-        token_to_kv_pool_allocator=allocator,
-        page_size=page,
-        eviction_policy=server_args.radix_eviction_policy,
-        eviction_policy_config=server_args.radix_eviction_policy_config,
-        **{k: v for k, v in overrides.items() if k in CacheInitParams.__dataclass_fields__},
-    )
+    fields = {
+        "disable": False,
+        "req_to_token_pool": req_pool,
+        "token_to_kv_pool_allocator": allocator,
+        "page_size": page,
+        "eviction_policy": server_args.radix_eviction_policy,
+        "eviction_policy_config": server_args.radix_eviction_policy_config,
+    }
+    fields.update({k: v for k, v in overrides.items() if k in CacheInitParams.__dataclass_fields__})
+    params = CacheInitParams(**fields)
     flags = {k: v for k, v in overrides.items() if k not in CacheInitParams.__dataclass_fields__}
     context = {
         "server_args": server_args,
@@ -163,6 +164,7 @@ class Engine:
         chunk: int | None = None,
         new_token_ratio: float = 0.5,
         kv_events: bool = False,
+        disable: bool = False,
     ) -> None:
         from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.mem_cache.registry import create_tree_cache
@@ -173,8 +175,16 @@ class Engine:
             flags += ["--radix-cache-backend", backend]
         if policy_config:
             flags += ["--radix-eviction-policy-config", policy_config]
+        if disable:
+            flags += ["--disable-radix-cache"]
         self.server_args = parse_server_args(*flags)
-        ctx = build_context(self.server_args, capacity, enable_kv_cache_events=kv_events)
+        ctx = build_context(
+            self.server_args,
+            capacity,
+            enable_kv_cache_events=kv_events,
+            disable=disable,  # what SGLang's kv_cache_builder passes for --disable-radix-cache
+            disable_radix_cache=disable,
+        )
         self.page_size = page_size
         self.capacity = capacity
         self.chunk = chunk

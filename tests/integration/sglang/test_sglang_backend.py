@@ -112,12 +112,21 @@ def test_memory_pressure_evicts_and_retracts(page_size: int) -> None:
     engine.check_idle()
 
 
+EXACT = '{"prefix_cache": "radix", "cache_options": {"granularity": "exact"}}'
+
+
+@pytest.mark.parametrize("granularity", ["leaf", "exact"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_eviction_frees_the_shortfall_from_the_predicted_victim(
-    page_size: int, policy: str
+def test_eviction_frees_the_predicted_victim(
+    page_size: int, policy: str, granularity: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """By default the whole victim leaf is freed (SGLang's eviction); with ``exact`` only the
+    shortfall (rounded up to a page) is cut off its end."""
+    if granularity == "exact":
+        monkeypatch.setenv("KVPLUG_SGLANG", EXACT)
     engine = Engine(page_size=page_size, capacity=256, policy=f"kvplug_{policy}")
+    assert engine.tree.cache.options.granularity == granularity
     for i in (0, 1, 2, 3, 0, 4, 5, 0, 2):  # repeats give different hit counts and recency
         engine.add(f"f{i}", [100 * (i + 1) + j for j in range(32)], max_new_tokens=1, priority=i)
         engine.run()
@@ -129,7 +138,10 @@ def test_eviction_frees_the_shortfall_from_the_predicted_victim(
     shortfall = min(victim.num_tokens, 2 * page_size + 1)
     allocator.evict_to_free_tokens(tree, available + shortfall)  # SGLang's eviction entry point
     freed = allocator.available_size() - available
-    assert shortfall <= freed <= shortfall + page_size
+    if granularity == "exact":
+        assert shortfall <= freed <= shortfall + page_size
+    else:
+        assert freed == len(victim_slots)  # the whole leaf
     after = set(tree.all_values_flatten().tolist())
     evicted = before - after
     assert evicted <= set(victim_slots.tolist())  # only the predicted victim lost slots

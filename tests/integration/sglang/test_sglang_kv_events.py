@@ -26,9 +26,13 @@ def _evict(engine: Engine, num_tokens: int) -> None:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_events_of_prefill_split_evict_and_flush_are_exact(page_size: int) -> None:
+def test_events_of_prefill_split_evict_and_flush_are_exact(
+    page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+    # exact eviction: the cut leaf's freed pages alone are removed (the default evicts leaves)
+    monkeypatch.setenv("KVPLUG_SGLANG", '{"cache_options": {"granularity": "exact"}}')
     p = page_size
     engine = Engine(page_size=p, capacity=128, kv_events=True)
     tree = engine.tree

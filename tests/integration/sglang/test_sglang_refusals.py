@@ -36,7 +36,6 @@ def _create(overrides: dict, *flags: str) -> object:
         ({"is_hybrid_ssm": True}, "SSM"),
         ({"is_dsa": True}, "DSA"),
         ({"enable_hierarchical_cache": True}, "HiCache"),
-        ({"disable_radix_cache": True}, "--disable-radix-cache"),
         ({"is_eagle": True}, "EAGLE"),
         ({"enable_kv_cache_events": True, "dynamo_kv_event_format": True}, '"dynamo" KV-event'),
         ({"enable_session_radix_cache": True}, "session"),

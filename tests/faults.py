@@ -6,9 +6,9 @@ way ``mode`` says: ``raise`` (a ``RuntimeError``), ``incomparable`` (``key`` ret
 that cannot be ordered) or ``foreign`` (``pop`` returns a candidate from no cache).
 ``MixedKeyPolicy`` is LRU whose ``key`` returns values of different types (a string for one
 candidate, a tuple for another) while ``misbehave(calls)`` lasts, which may be longer than the
-call that first fails. ``failing_free(allocator)`` makes ``allocator.free`` raise. ``state(cache, allocator)`` is
-everything a caller can observe, written so that a node split (invisible to callers) does not
-change it.
+call that first fails. ``failing_free(allocator)`` makes ``allocator.free`` raise.
+``state(cache, allocator)`` is everything a caller can observe, written so that a node split
+(invisible to callers) does not change it.
 """
 
 from __future__ import annotations

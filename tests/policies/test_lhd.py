@@ -137,7 +137,8 @@ def test_the_regret_budget_drops_a_losing_challenger_whatever_the_deviations():
     assert guard.reference_in_use and guard.gain == -11.0
     for _ in range(10):  # the challenger leads again, by many deviations
         guard._evidence(-30.0)
-    assert guard.switch_due(2.0) and not guard.due(**rules)  # ... but 11 > half the budget of 1000 tokens
+    assert guard.switch_due(2.0)
+    assert not guard.due(**rules)  # ... but 11 > half the budget of 1000 tokens
     guard.volume = 2200  # the budget regrew: 11 <= 22 / 2
     assert guard.due(**rules)
     guard.reused(leaf(1, tokens=5, content=1), 5, 5)  # a hit: 5 more tokens seen

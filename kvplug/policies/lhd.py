@@ -109,6 +109,8 @@ class LHDOptions(FrozenModel):
     """``evict_first``: candidates ending in a partial page go before anything else."""
     guard: bool = True
     """Follow LRU whenever it has been doing better (see the module docstring)."""
+    guard_start: Literal["lru", "learned"] = "lru"
+    """The ranking in use at the start (the guard hands the cache to the other on evidence)."""
     guard_warmup: Annotated[int, Field(ge=0, strict=True)] = 0
     """Scored events before the first switch."""
     guard_memory: Annotated[int, Field(ge=1, strict=True)] = 2000
@@ -251,7 +253,7 @@ class LHDPolicy(FeedbackEvictionPolicy):
         self._gone: OrderedDict[tuple[object, int], list[_Gone]] = OrderedDict()
         self._below: OrderedDict[int, list[_Gone]] = OrderedDict()
         self._ends: dict[EvictionCandidate, int] = {}  # the end of candidates cut by evictions
-        self.use_learned = not o.guard
+        self.use_learned = not o.guard or o.guard_start == "learned"
         """Whether the learned ranking is in use (else LRU; the guard switches)."""
         self._learned = _Density(self)
         self._recency = Recency()
@@ -259,9 +261,10 @@ class LHDPolicy(FeedbackEvictionPolicy):
         """The shadow of the ranking not in use (``None`` without ``guard``)."""
         if o.guard:
             self.guard = ShadowGuard(
-                self._learned,
+                self._recency if self.use_learned else self._learned,
                 memory=o.guard_memory,
                 capacity=o.ghost_entries,
+                reference_in_use=not self.use_learned,
             )
         self.switches = 0
         """Times the guard changed ranking."""

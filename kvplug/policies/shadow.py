@@ -23,18 +23,19 @@ shadow leads by a given number of standard deviations of the decayed evidence: e
 costs hits (each ranking evicts what the other kept), so noise must not flip it. The new shadow
 starts equal to the cache.
 
-**Regret budget** (:meth:`ShadowGuard.due`). The first ranking in use is the *reference* (LRU);
-the other is the *challenger*. While the challenger is in use, every scored event is also
-summed, undecayed, into ``gain``: the tokens it has won (or, below 0, lost) against what the
-reference would have hit, over the whole run. ``volume`` counts the tokens the policy has seen
-(every hit and every inserted token). The challenger is dropped as soon as ``-gain`` exceeds
-``budget * volume``, whatever the decayed evidence says, and it gets the cache back only once
-half of that budget has regrown. So the estimated loss against the reference never exceeds
-``budget`` of the tokens seen (plus the one event that crossed it), at any capacity: at a large
-capacity, where few events are scored, the decayed test alone can sit below its threshold while
-the challenger loses. ``volume`` is at least the tokens queried when outputs are not cached and
-at most about twice that when they are (an answer is rarely longer than its prompt's new part),
-so a budget of 0.1 % bounds the estimated loss by 0.2-0.3 pp of the queried tokens.
+**Regret budget** (:meth:`ShadowGuard.due`). One ranking is the *reference* (LRU), the other
+the *challenger* (the learned one); either may be in use first. While the challenger is in use,
+every scored event is also summed, undecayed, into ``gain``: the tokens it has won (or, below
+0, lost) against what the reference would have hit, over the whole run. ``volume`` counts the
+tokens the policy has seen (every hit and every inserted token). The challenger is dropped as
+soon as ``-gain`` exceeds ``budget * volume``, whatever the decayed evidence says, and it gets
+the cache back only once half of that budget has regrown. So the estimated loss against the
+reference never exceeds ``budget`` of the tokens seen (plus the one event that crossed it), at
+any capacity: at a large capacity, where few events are scored, the decayed test alone can sit
+below its threshold while the challenger loses. ``volume`` is at least the tokens queried when
+outputs are not cached and at most about twice that when they are (an answer is rarely longer
+than its prompt's new part), so a budget of 0.1 % bounds the estimated loss by 0.2-0.3 pp of
+the queried tokens.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class ShadowGuard:
         *,
         memory: int,
         capacity: int,
+        reference_in_use: bool = True,
     ) -> None:
         self.shadow = shadow
         """The ranking not in use, over what it would hold."""
@@ -117,10 +119,11 @@ class ShadowGuard:
         self.gain = 0.0
         """Undecayed evidence summed while the challenger is in use (see the module docstring):
         the tokens it has won against the reference so far (< 0: lost)."""
+        self._gain_energy = 0.0  # the sum of the squares of what ``gain`` summed
         self.volume = 0
         """Tokens seen: reused (every hit) and inserted; the regret budget is a share of it."""
-        self.reference_in_use = True
-        """Whether the reference ranking (the first one in use) is in use."""
+        self.reference_in_use = reference_in_use
+        """Whether the reference ranking (LRU; ``shadow`` is the other one) is in use."""
         self.debt = 0
         """Tokens the shadow holds beyond the cache (it evicts while this is positive)."""
         self._watched: dict[EvictionCandidate, None] = {}
@@ -267,7 +270,8 @@ class ShadowGuard:
         less than half the budget is spent."""
         allowed = budget * self.volume
         if not self.reference_in_use:
-            return -self.gain > allowed or self.switch_due(fallback)
+            noise = fallback * math.sqrt(self._gain_energy)
+            return -self.gain - noise > allowed or self.switch_due(fallback)
         return -self.gain <= allowed / 2 and self.switch_due(handover, warmup)
 
     # -- internals ------------------------------------------------------------------------------
@@ -278,6 +282,7 @@ class ShadowGuard:
         self.events += 1
         if not self.reference_in_use:
             self.gain += delta
+            self._gain_energy += delta * delta
 
     def _pay(self) -> None:
         """The shadow evicts its own victims until it holds no more tokens than the cache."""

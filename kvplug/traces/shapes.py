@@ -29,7 +29,7 @@ from .base import BlockPrompt, TraceRequest
 if TYPE_CHECKING:
     from .synthetic import SyntheticSpec
 
-__all__ = ["SHAPES", "shaped_trace"]
+__all__ = ["SHAPES", "block_request", "shaped_trace"]
 
 # One session of a shape: (arrival ms, prompt blocks, answer blocks) per request, any order.
 Session = list[tuple[float, list[int], list[int]]]
@@ -45,6 +45,19 @@ class _Ids:
         ids = list(range(self.next, self.next + count))
         self.next += count
         return ids
+
+
+def block_request(
+    index: int, arrival: float, prompt: list[int], answer: list[int], size: int
+) -> TraceRequest:
+    """A request of whole ``size``-token blocks: ``prompt``, answered by ``answer``."""
+    return TraceRequest(
+        index=index,
+        timestamp_ms=arrival,
+        prompt=BlockPrompt(prompt, len(prompt) * size, size),
+        output_length=len(answer) * size,
+        output=BlockPrompt(answer, len(answer) * size, size),
+    )
 
 
 def _zipf_pick(rng: random.Random, n: int, a: float) -> int:
@@ -185,20 +198,11 @@ def shaped_trace(spec: SyntheticSpec) -> Iterator[TraceRequest]:
     pending: list[tuple[float, int, list[int], list[int]]] = []
     serial = emitted = 0
 
-    def request(arrival: float, prompt: list[int], answer: list[int]) -> TraceRequest:
-        return TraceRequest(
-            index=emitted,
-            timestamp_ms=arrival,
-            prompt=BlockPrompt(prompt, len(prompt) * size, size),
-            output_length=len(answer) * size,
-            output=BlockPrompt(answer, len(answer) * size, size),
-        )
-
     for session in SHAPES[spec.shape](spec, rng, ids):
         start = min(arrival for arrival, _, _ in session)
         while pending and pending[0][0] <= start:
             arrival, _, prompt, answer = heapq.heappop(pending)
-            yield request(arrival, prompt, answer)
+            yield block_request(emitted, arrival, prompt, answer, size)
             emitted += 1
             if emitted >= spec.num_requests:
                 return

@@ -25,8 +25,8 @@ from pydantic import Field
 
 from kvplug_hookspecs import FrozenModel
 
-from .base import BlockPrompt, TraceRequest
-from .shapes import shaped_trace
+from .base import TraceRequest
+from .shapes import block_request, shaped_trace
 
 __all__ = ["PRESETS", "SyntheticSpec", "synthetic_trace"]
 
@@ -170,21 +170,8 @@ def synthetic_trace(spec: SyntheticSpec | None = None) -> Iterator[TraceRequest]
         else:
             blocks = [*prompt, *new_blocks(rng.randint(*spec.one_off_blocks))]
             answer = new_blocks(rng.randint(*spec.answer_blocks))
-            yield _request(spec, emitted, clock_ms, blocks, answer)
+            yield block_request(emitted, clock_ms, blocks, answer, spec.block_size)
             emitted += 1
-
-
-def _request(
-    spec: SyntheticSpec, index: int, arrival: float, blocks: list[int], answer: list[int]
-) -> TraceRequest:
-    size = spec.block_size
-    return TraceRequest(
-        index=index,
-        timestamp_ms=arrival,
-        prompt=BlockPrompt(blocks, len(blocks) * size, size),
-        output_length=len(answer) * size,
-        output=BlockPrompt(answer, len(answer) * size, size),
-    )
 
 
 def _turn(
@@ -199,4 +186,4 @@ def _turn(
     and the next turn's history (prompt + answer)."""
     blocks = [*history, *new_blocks(rng.randint(*spec.user_blocks))]
     answer = new_blocks(rng.randint(*spec.answer_blocks))
-    return _request(spec, index, arrival, blocks, answer), [*blocks, *answer]
+    return block_request(index, arrival, blocks, answer, spec.block_size), [*blocks, *answer]

@@ -23,7 +23,12 @@ Workloads:
 * ``agentic`` — long-context agent sessions whose tool-call turns append a little each time;
 * ``scan`` — a loop over more distinct prompts than fit, with a few hot prompts;
 * ``flip`` — adversarial for a learned policy: in the first half content reused once is reused
-  again soon and fresh content rarely; in the second half the opposite.
+  again soon and fresh content rarely; in the second half the opposite;
+* ``tool-loop``, ``shared-system``, ``doc-bursts`` — the ``kvplug simulate --synthetic`` presets
+  of those names (:mod:`kvplug.traces.shapes`): agent tool loops over long shared contexts with
+  sub-agent forks, many small sessions behind one system prompt, bursty re-reads of documents;
+* ``tree-search`` — the held-out preset: reasoning tree search with backtracking (report it as
+  *unseen*: no policy default was tuned on it).
 
     python benchmarks/bench_policies.py                 # everything (several minutes)
     python benchmarks/bench_policies.py --quick         # small synthetic traces, no Mooncake
@@ -47,6 +52,7 @@ from kvplug.allocators.standard import StandardAllocator
 from kvplug.caches.radix import RadixCache, RadixNode
 from kvplug.plugins.policies import kvplug_eviction_policies
 from kvplug.policies import CostModel
+from kvplug.traces import PRESETS, synthetic_trace
 from kvplug_hookspecs import EvictionCandidate, EvictParams, KeyedEvictionPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,12 +166,26 @@ def flip(n: int, seed: int = 5) -> Trace:
     return [p for _, p in events]
 
 
+def preset(name: str) -> Callable[[int], Trace]:
+    """The ``--synthetic`` preset ``name``'s first ``n`` prompts, as block ids."""
+
+    def make(n: int) -> Trace:
+        spec = PRESETS[name].model_copy(update={"num_requests": n})
+        return [list(r.block_ids or ()) for r in synthetic_trace(spec)]
+
+    return make
+
+
 WORKLOADS: dict[str, Callable[[int], Trace]] = {
     "zipf_system": zipf_system,
     "chat": chat,
     "agentic": agentic,
     "scan": scan,
     "flip": flip,
+    "tool-loop": preset("tool-loop"),
+    "shared-system": preset("shared-system"),
+    "doc-bursts": preset("doc-bursts"),
+    "tree-search": preset("tree-search"),
 }
 
 
@@ -297,11 +317,13 @@ def print_row(row: dict[str, Any]) -> None:
     for p in POLICIES[1:]:
         g = gap_closed(row, p)
         cells.append("   n/a" if g is None else f"{100 * g:6.1f}")
-    cells.append(f"{100 * row['olru_compute']:6.2f}")
+    if "olru_compute" in row:
+        cells.append(f"{100 * row['olru_compute']:6.2f}")
     print(" ".join(cells), flush=True)
 
 
 def main() -> None:
+    global POLICIES
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small synthetic traces only")
     parser.add_argument("--workloads", default=None, help="comma list (default: all)")
@@ -310,7 +332,10 @@ def main() -> None:
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--trace", type=Path, default=MOONCAKE, help="Mooncake JSONL trace")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--policies", default=None, help="comma list, lru first (default: all)")
     args = parser.parse_args()
+    if args.policies is not None:
+        POLICIES = tuple(args.policies.split(","))
     names = ["conversation", *WORKLOADS] if args.workloads is None else args.workloads.split(",")
     if args.quick:
         names = [n for n in names if n != "conversation"]

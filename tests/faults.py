@@ -4,9 +4,11 @@
 following call of ``method`` (``key``, ``add``, ``touch``, ``pop``, ``discard``) fail in the
 way ``mode`` says: ``raise`` (a ``RuntimeError``), ``incomparable`` (``key`` returns objects
 that cannot be ordered) or ``foreign`` (``pop`` returns a candidate from no cache).
-``failing_free(allocator)`` makes ``allocator.free`` raise. ``state(cache, allocator)`` is
-everything a caller can observe, written so that a node split (invisible to callers) does not
-change it.
+``MixedKeyPolicy`` is LRU whose ``key`` returns values of different types (a string for one
+candidate, a tuple for another) while ``misbehave(calls)`` lasts, which may be longer than the
+call that first fails. ``failing_free(allocator)`` makes ``allocator.free`` raise.
+``state(cache, allocator)`` is everything a caller can observe, written so that a node split
+(invisible to callers) does not change it.
 """
 
 from __future__ import annotations
@@ -95,6 +97,30 @@ class FaultyPolicy(LRUPolicy):
             stranger.num_tokens = 1
             return stranger
         return super().pop()
+
+
+class MixedKeyPolicy(LRUPolicy):
+    """LRU, except that while misbehaving ``key`` returns a ``str`` and a ``tuple`` in turn, one
+    candidate after the other (they do not compare with each other, nor with the ``int`` keys
+    it gives when it behaves)."""
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self.bad_calls = 0
+
+    def misbehave(self, calls: int) -> None:
+        """The next ``calls`` calls of ``key`` give mixed keys."""
+        self.bad_calls = calls
+
+    def behave(self) -> None:
+        self.bad_calls = 0
+
+    def key(self, candidate: Any) -> Any:
+        if self.bad_calls > 0:
+            self.bad_calls -= 1
+            time = candidate.last_access_time
+            return f"t{time}" if self.bad_calls % 2 else (time,)
+        return super().key(candidate)
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ from .common import (
     emit_stored,
     new_policy_instance,
     policy_error,
+    rebuild_policies,
     release_ownership,
     take_ownership,
 )
@@ -209,14 +210,16 @@ class BlockHashCache(BuiltFromContext):
             block.last_access_time, block.hit_count, block.priority = time, hits, priority
         self._resync_policy()
 
-    def _resync_policy(self) -> None:
+    def _resync_policy(self, recheck: bool = True) -> None:
         """Make the policy's set the unreferenced childless blocks again (error path only); a
-        policy that fails again is left as it is (the caller raises the first failure)."""
-        with contextlib.suppress(Exception):
-            self.policy.clear()
+        policy that fails again is quarantined (``common.rebuild_policies``)."""
+
+        def refill() -> None:
             for block in self._blocks.values():
                 if block.ref_count == 0 and block.num_children == 0:
                     self.policy.add(block)
+
+        rebuild_policies(self, ("policy",), refill, recheck=recheck)
 
     # ----------------------------------------------------------------------------- queries
     def match_prefix(
@@ -499,6 +502,8 @@ class BlockHashCache(BuiltFromContext):
         need = params.num_tokens
         if need == 0:
             return EvictResult()
+        if self.policy_recheck:  # a policy failed since the last evict: see rebuild_policies
+            self._resync_policy(recheck=False)
         freed = 0
         victims: list[tuple[Block, Block]] = []  # (block, parent)
         policy = self.policy

@@ -6,6 +6,7 @@ behaviour must be identical across caches (what a key is, what a counter counts)
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -29,10 +30,13 @@ from .. import speedups
 from ..errors import PolicyError
 from ..policies.builtin import LRUPolicy
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "BuiltFromContext",
     "CacheStats",
     "CandidateStats",
+    "QuarantinePolicy",
     "as_cache_key",
     "as_token_ids",
     "cache_options",
@@ -44,6 +48,7 @@ __all__ = [
     "emit_stored",
     "new_policy_instance",
     "policy_error",
+    "rebuild_policies",
     "release_ownership",
     "same_device",
     "start_content_id",
@@ -128,11 +133,70 @@ def check_key(key: Any) -> tuple[tuple[int, ...], str | None]:
 
 def policy_error(policy: Any, operation: str, exc: BaseException) -> PolicyError:
     """The error a cache raises (``from exc``) when its policy failed during ``operation``."""
-    kind = type(policy)
+    quarantined = isinstance(policy, QuarantinePolicy)
+    if quarantined:
+        policy = policy.replaced
     return PolicyError(
-        f"eviction policy {kind.__module__}.{kind.__qualname__} failed in {operation}: "
-        f"{type(exc).__name__}: {exc} (the cache and allocator are as before the call)"
+        f"eviction policy {_qualname(policy)} failed in {operation}: "
+        f"{type(exc).__name__}: {exc} (the cache and allocator are as before the call"
+        + ("; the policy is quarantined, the cache evicts in LRU order)" if quarantined else ")")
     )
+
+
+class QuarantinePolicy(LRUPolicy):
+    """LRU, standing in for a policy that failed and failed again while the cache re-added its
+    candidates (see :func:`rebuild_policies`); ``replaced`` is that policy."""
+
+    def __init__(self, replaced: Any) -> None:
+        super().__init__()
+        self.replaced = replaced
+
+
+def rebuild_policies(
+    cache: Any, names: tuple[str, ...], refill: Callable[[], None], *, recheck: bool = True
+) -> None:
+    """After a policy failed: rebuild its view from the cache's own candidates, or quarantine it.
+
+    Why: a failed call can leave a policy holding only some of the candidates, or an entry whose
+    key no longer compares with the others; the cache would then keep those slots forever (or
+    fail on every later eviction). So every policy named in ``names`` (attributes of ``cache``)
+    is cleared and ``refill()`` adds every evictable candidate again. When that fails too (the
+    policy still misbehaves), the policies are **quarantined**: each is replaced by a fresh
+    :class:`QuarantinePolicy` (LRU), refilled, and a warning is logged (once: LRU does not
+    fail). From then on the cache evicts least recently used first, and every unlocked
+    slot stays evictable. The caller raises the original failure either way.
+
+    A policy that still misbehaved while it was refilled may not have failed doing so (its
+    keys compared among themselves, not with the keys it gives once it behaves again), so with
+    ``recheck`` the cache sets ``cache.policy_recheck``: its next ``evict`` rebuilds the view
+    once more, with the policy as it is then (``recheck=False``), before taking any victim.
+    """
+    try:
+        for name in names:
+            getattr(cache, name).clear()
+        refill()
+        cache.policy_recheck = recheck
+        return
+    except Exception as exc:  # the policy failed again: quarantine it
+        error = exc
+    kinds = sorted({_qualname(getattr(cache, name)) for name in names})
+    for name in names:
+        setattr(cache, name, QuarantinePolicy(getattr(cache, name)))
+    refill()
+    cache.policy_recheck = False
+    log.warning(
+        "%s: eviction policy %s failed again while the cache re-added its candidates "
+        "(%s: %s); quarantined: this cache evicts in LRU order from now on",
+        type(cache).__name__,
+        ", ".join(kinds),
+        type(error).__name__,
+        error,
+    )
+
+
+def _qualname(policy: Any) -> str:
+    kind = type(policy)
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def check_int(value: Any, what: str, *, minimum: int | None = None) -> int:
@@ -305,6 +369,10 @@ class BuiltFromContext:
     ``storage`` when the cache uses storage tiers; this unpacks the :class:`PrefixCacheContext`
     the registry hands a prefix-cache factory.
     """
+
+    policy_recheck: bool = False
+    """A policy failed and its view was rebuilt: the next ``evict`` rebuilds it once more
+    (see :func:`rebuild_policies`)."""
 
     @classmethod
     def from_context(cls, context: PrefixCacheContext, options: Any = None) -> Any:

@@ -78,6 +78,7 @@ from .common import (
     check_key,
     new_policy_instance,
     policy_error,
+    rebuild_policies,
     release_ownership,
     take_ownership,
 )
@@ -394,16 +395,17 @@ class RadixCache(BuiltFromContext):
                 node.last_access_time, node.hit_count, node.priority = time, hits, prio
             raise
 
-    def _resync_policy(self) -> None:
-        """Make the policy's candidate set the tree's unlocked leaves again (error path only).
+    def _resync_policy(self, recheck: bool = True) -> None:
+        """Make the policy's candidate set the tree's unlocked leaves again (error path only);
+        a policy that fails again is quarantined (``common.rebuild_policies``)."""
 
-        A policy that fails again here is left as it is: the original error is what is raised.
-        """
-        with contextlib.suppress(Exception):  # the caller re-raises the first failure
-            self.policy.clear()
+        def refill() -> None:
             for node in self._nodes():
                 if node.lock_ref == 0 and not node.children:
                     self.policy.add(node)
+
+        rebuild_policies(self, ("policy",), refill, recheck=recheck)
+        self._touch_all = not getattr(self.policy, "touch_candidates_only", False)
 
     def _nodes(self) -> list[RadixNode]:
         return descendants(self.root)
@@ -854,6 +856,8 @@ class RadixCache(BuiltFromContext):
         need = params.num_tokens
         if need == 0:
             return EvictResult()
+        if self.policy_recheck:  # a policy failed since the last evict: see rebuild_policies
+            self._resync_policy(recheck=False)
         page, policy, root = self.page_size, self.policy, self.root
         freed = 0
         victims: list[torch.Tensor] = []

@@ -75,6 +75,7 @@ from .common import (
     emit_removed,
     new_policy_instance,
     policy_error,
+    rebuild_policies,
     release_ownership,
     start_content_id,
     take_ownership,
@@ -317,15 +318,16 @@ class SWARadixCache(BuiltFromContext):
             self._swa_protected,
         ) = counters
 
-    def _resync(self) -> None:
+    def _resync(self, recheck: bool = True) -> None:
         """Rebuild both policies' sets and the dead-leaf list from the tree (error path only);
-        a policy that fails again is left as it is (the caller raises the first failure)."""
-        self._dead.clear()
-        with contextlib.suppress(Exception):
-            self.full_policy.clear()
-            self.swa_policy.clear()
+        policies that fail again are quarantined (``common.rebuild_policies``)."""
+
+        def refill() -> None:
+            self._dead.clear()
             for node in self._nodes():
                 self._refresh(node)
+
+        rebuild_policies(self, ("full_policy", "swa_policy"), refill, recheck=recheck)
 
     # -- lookup and insert ----------------------------------------------------------------------
 
@@ -787,6 +789,8 @@ class SWARadixCache(BuiltFromContext):
         full_need, swa_need = params.num_tokens, params.swa_num_tokens
         if full_need == 0 and swa_need == 0:
             return EvictResult()
+        if self.policy_recheck:  # a policy failed since the last evict: see rebuild_policies
+            self._resync(recheck=False)
         page = self.page_size
         full_freed = swa_freed = tombstoned = 0
         full_victims: list[torch.Tensor] = []

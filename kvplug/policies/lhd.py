@@ -109,13 +109,21 @@ class LHDOptions(FrozenModel):
     """``evict_first``: candidates ending in a partial page go before anything else."""
     guard: bool = True
     """Follow LRU whenever it has been doing better (see the module docstring)."""
+    guard_start: Literal["lru", "learned"] = "lru"
+    """The ranking in use at the start (the guard hands the cache to the other on evidence)."""
     guard_warmup: Annotated[int, Field(ge=0, strict=True)] = 0
     """Scored events before the first switch."""
     guard_memory: Annotated[int, Field(ge=1, strict=True)] = 2000
     """Guard evidence decays by ``1 - 1/guard_memory`` per scored event."""
     guard_confidence: Annotated[float, Field(ge=0.0, le=16.0)] = 2.0
-    """The ranking not in use takes over when its lead is this many standard deviations of the
-    decayed evidence (switching back and forth on noise costs hits)."""
+    """The learned ranking takes over from LRU when its lead is this many standard deviations
+    of the decayed evidence (switching back and forth on noise costs hits)."""
+    guard_fallback: Annotated[float, Field(ge=0.0, le=16.0)] = 1.0
+    """LRU takes the cache back when its lead is this many standard deviations (sooner than
+    the learned ranking gets it: a loss is what the guard is for)."""
+    guard_budget: Annotated[float, Field(ge=0.0, le=1.0)] = 0.001
+    """LRU takes the cache back at once when the learned ranking's estimated loss against it
+    over the run exceeds this share of the tokens seen (see :mod:`kvplug.policies.shadow`)."""
     ghost_entries: Annotated[int, Field(ge=0, strict=True)] = 16384
     """Evicted candidates remembered (reuse after eviction, the inferred turn, the guard)."""
     lineage_entries: Annotated[int, Field(ge=0, strict=True)] = 4096
@@ -245,7 +253,7 @@ class LHDPolicy(FeedbackEvictionPolicy):
         self._gone: OrderedDict[tuple[object, int], list[_Gone]] = OrderedDict()
         self._below: OrderedDict[int, list[_Gone]] = OrderedDict()
         self._ends: dict[EvictionCandidate, int] = {}  # the end of candidates cut by evictions
-        self.use_learned = not o.guard
+        self.use_learned = not o.guard or o.guard_start == "learned"
         """Whether the learned ranking is in use (else LRU; the guard switches)."""
         self._learned = _Density(self)
         self._recency = Recency()
@@ -253,9 +261,10 @@ class LHDPolicy(FeedbackEvictionPolicy):
         """The shadow of the ranking not in use (``None`` without ``guard``)."""
         if o.guard:
             self.guard = ShadowGuard(
-                self._learned,
+                self._recency if self.use_learned else self._learned,
                 memory=o.guard_memory,
                 capacity=o.ghost_entries,
+                reference_in_use=not self.use_learned,
             )
         self.switches = 0
         """Times the guard changed ranking."""
@@ -306,9 +315,13 @@ class LHDPolicy(FeedbackEvictionPolicy):
 
     def _check_guard(self) -> None:
         """Swap the rankings when the shadow leads (O(N), rare)."""
-        guard = self.guard
-        confidence = self.options.guard_confidence
-        if guard is None or not guard.switch_due(confidence, self.options.guard_warmup):
+        guard, o = self.guard, self.options
+        if guard is None or not guard.due(
+            handover=o.guard_confidence,
+            fallback=o.guard_fallback,
+            budget=o.guard_budget,
+            warmup=o.guard_warmup,
+        ):
             return
         self.use_learned = not self.use_learned
         self.switches += 1

@@ -22,6 +22,20 @@ Evidence decays by ``1 - 1/memory`` per scored event. The policy switches rankin
 shadow leads by a given number of standard deviations of the decayed evidence: every switch
 costs hits (each ranking evicts what the other kept), so noise must not flip it. The new shadow
 starts equal to the cache.
+
+**Regret budget** (:meth:`ShadowGuard.due`). One ranking is the *reference* (LRU), the other
+the *challenger* (the learned one); either may be in use first. While the challenger is in use,
+every scored event is also summed, undecayed, into ``gain``: the tokens it has won (or, below
+0, lost) against what the reference would have hit, over the whole run. ``volume`` counts the
+tokens the policy has seen (every hit and every inserted token). The challenger is dropped as
+soon as ``-gain`` exceeds ``budget * volume``, whatever the decayed evidence says, and it gets
+the cache back only once half of that budget has regrown. So the estimated loss against the
+reference never exceeds ``budget`` of the tokens seen (plus the one event that crossed it), at
+any capacity: at a large capacity, where few events are scored, the decayed test alone can sit
+below its threshold while the challenger loses. ``volume`` is at least the tokens queried when
+outputs are not cached and at most about twice that when they are (an answer is rarely longer
+than its prompt's new part), so a budget of 0.1 % bounds the estimated loss by 0.2-0.3 pp of
+the queried tokens.
 """
 
 from __future__ import annotations
@@ -91,6 +105,7 @@ class ShadowGuard:
         *,
         memory: int,
         capacity: int,
+        reference_in_use: bool = True,
     ) -> None:
         self.shadow = shadow
         """The ranking not in use, over what it would hold."""
@@ -101,6 +116,14 @@ class ShadowGuard:
         self._energy = 0.0
         self.events = 0
         """Scored events so far."""
+        self.gain = 0.0
+        """Undecayed evidence summed while the challenger is in use (see the module docstring):
+        the tokens it has won against the reference so far (< 0: lost)."""
+        self._gain_energy = 0.0  # the sum of the squares of what ``gain`` summed
+        self.volume = 0
+        """Tokens seen: reused (every hit) and inserted; the regret budget is a share of it."""
+        self.reference_in_use = reference_in_use
+        """Whether the reference ranking (LRU; ``shadow`` is the other one) is in use."""
         self.debt = 0
         """Tokens the shadow holds beyond the cache (it evicts while this is positive)."""
         self._watched: dict[EvictionCandidate, None] = {}
@@ -179,6 +202,7 @@ class ShadowGuard:
     def inserted(self, candidate: EvictionCandidate) -> None:
         """``candidate`` is new here: if it starts where the shadow keeps a cut tail, that is
         the tail coming back (the shadow's hit)."""
+        self.volume += candidate.num_tokens
         tail = self._tails.pop((candidate.namespace, candidate.depth), None)
         if tail is not None:
             self._forget(tail)
@@ -187,6 +211,7 @@ class ShadowGuard:
     def reused(self, candidate: EvictionCandidate, tokens: int, fetched: int) -> None:
         """A request reused ``tokens`` of ``candidate`` here; if the shadow had evicted it, that
         is its miss, and it fetches ``fetched`` tokens again."""
+        self.volume += tokens
         if candidate in self._watched:
             del self._watched[candidate]
             self._evidence(tokens)
@@ -216,6 +241,7 @@ class ShadowGuard:
         self.shadow = shadow
         self.clear()
         self.score = -self.score  # the evidence that made it switch, for the new ranking
+        self.reference_in_use = not self.reference_in_use
         shadow.fill(live)
 
     def clear(self) -> None:
@@ -236,12 +262,27 @@ class ShadowGuard:
             return False
         return bool(-self.score > confidence * math.sqrt(self._energy))
 
+    def due(self, *, handover: float, fallback: float, budget: float, warmup: int = 0) -> bool:
+        """Whether to swap rankings now. The challenger in use is dropped when the reference
+        leads by ``fallback`` standard deviations, or at once when its loss so far exceeds
+        ``budget`` of the tokens seen; the reference in use hands over when the challenger
+        leads by ``handover`` deviations (not before ``warmup`` scored events), and only while
+        less than half the budget is spent."""
+        allowed = budget * self.volume
+        if not self.reference_in_use:
+            noise = fallback * math.sqrt(self._gain_energy)
+            return -self.gain - noise > allowed or self.switch_due(fallback)
+        return -self.gain <= allowed / 2 and self.switch_due(handover, warmup)
+
     # -- internals ------------------------------------------------------------------------------
 
     def _evidence(self, delta: float) -> None:
         self.score = self.score * self._keep + delta
         self._energy = self._energy * self._keep + delta * delta
         self.events += 1
+        if not self.reference_in_use:
+            self.gain += delta
+            self._gain_energy += delta * delta
 
     def _pay(self) -> None:
         """The shadow evicts its own victims until it holds no more tokens than the cache."""

@@ -116,6 +116,36 @@ def test_the_shadow_pays_evicted_tokens_with_its_own_victims():
     assert guard.score == pytest.approx(-6) and guard.debt == -8
 
 
+def test_the_regret_budget_drops_a_losing_challenger_whatever_the_deviations():
+    """While the challenger is in use its evidence is summed undecayed (``gain``); a loss over
+    ``budget`` of the tokens seen (by ``fallback`` deviations of that sum) hands the cache back
+    at once, and it returns only once half that budget has regrown with the traffic (and it
+    leads again)."""
+    guard = ShadowGuard(Recency(), memory=1 << 30, capacity=100)
+    rules = {"handover": 2.0, "fallback": 0.5, "budget": 0.01}
+    for _ in range(5):  # the reference in use: nothing counts against the budget
+        guard._evidence(-10.0)
+    assert guard.gain == 0.0 and guard.due(**rules)  # the challenger leads by 50 > 2 * 22.4
+    guard.switched(Recency(), {})  # the challenger (some learned ranking) in use
+    assert not guard.reference_in_use and guard.score == pytest.approx(50.0)
+    guard.volume = 1000  # tokens seen: a budget of 10
+    for delta in (-4.0, -5.0, -2.0):  # losing (the decayed score is still 39 > 0)
+        guard._evidence(delta)
+        assert not guard.due(**rules)  # 11 - 0.5 * sqrt(16 + 25 + 4) = 7.6 < 10
+    guard._evidence(-6.0)  # 17 - 0.5 * sqrt(81) = 12.5 > 10
+    assert guard.gain == -17.0 and guard.due(**rules) and not guard.switch_due(0.5)
+    guard.switched(Recency(), {})
+    assert guard.reference_in_use and guard.gain == -17.0
+    for _ in range(10):  # the challenger leads again, by many deviations
+        guard._evidence(-30.0)
+    assert guard.switch_due(2.0)
+    assert not guard.due(**rules)  # ... but 17 > half the budget of 1000 tokens
+    guard.volume = 3400  # the budget regrew: 17 <= 34 / 2
+    assert guard.due(**rules)
+    guard.reused(leaf(1, tokens=5, content=1), 5, 5)  # a hit: 5 more tokens seen
+    assert guard.volume == 3405
+
+
 def test_a_parent_of_a_phantom_is_an_inner_node_in_the_shadow():
     parent = leaf(1, tokens=8, content=1, depth=0)
     child = leaf(5, tokens=4, content=2, depth=8)  # starts where parent ends

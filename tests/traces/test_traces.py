@@ -12,6 +12,7 @@ from kvplug.traces import (
     BlockPrompt,
     SyntheticSpec,
     TraceError,
+    TraceRequest,
     block_id_of,
     block_tokens,
     read_mooncake,
@@ -139,3 +140,60 @@ def test_the_shared_mooncake_trace_reads_whole():
     assert len(trace) == 12031
     assert sum(len(r.prompt) for r in trace) == 144_793_823
     assert all(r.block_ids and r.block_ids[0] == 0 for r in trace)  # the shared system prompt
+
+
+def _shape(name: str, n: int = 600) -> list[TraceRequest]:
+    return list(synthetic_trace(PRESETS[name].model_copy(update={"num_requests": n})))
+
+
+@pytest.mark.parametrize("name", ["tool-loop", "shared-system", "doc-bursts", "tree-search"])
+def test_shaped_presets_are_seeded_ordered_and_exact(name):
+    trace = _shape(name)
+    assert len(trace) == 600
+    assert [r.index for r in trace] == list(range(600))
+    times = [r.timestamp_ms for r in trace]
+    assert times == sorted(times)
+    assert [r.block_ids for r in _shape(name)] == [r.block_ids for r in trace]
+    other = synthetic_trace(PRESETS[name].model_copy(update={"num_requests": 600, "seed": 1}))
+    assert [r.block_ids for r in other] != [r.block_ids for r in trace]
+    for r in trace:
+        assert len(r.prompt) == len(r.block_ids) * 16
+        assert r.output is not None and r.output_length == len(r.output) > 0
+
+
+def test_shared_system_puts_one_system_prompt_before_everything():
+    trace = _shape("shared-system")
+    system = tuple(range(32))
+    assert all(r.block_ids[:32] == system for r in trace)
+    histories = [(*r.block_ids, *r.output.block_ids) for r in trace[:200]]  # type: ignore[union-attr]
+    later = {o.block_ids for o in trace}
+    # a next turn re-sends the previous prompt and its answer; one-offs and last turns do not
+    continued = sum(any(p[: len(h)] == h for p in later) for h in histories)
+    assert 20 < continued < 150
+
+
+def test_tool_loops_share_long_contexts_and_fork_sub_agents():
+    trace = _shape("tool-loop")
+    contexts = {r.block_ids[:128] for r in trace}
+    assert len(contexts) == 6  # six shared contexts of 128 blocks
+    prompts = {r.block_ids for r in trace}
+    # a sub-agent's first prompt extends a main loop's history that a later step also extends
+    forks = sum(
+        1 for p in prompts if sum(1 for q in prompts if len(q) > len(p) and q[: len(p)] == p) >= 2
+    )
+    assert forks > 10
+
+
+def test_doc_bursts_reread_a_document_in_bursts():
+    trace = _shape("doc-bursts")
+    header = trace[0].block_ids[:2]
+    assert all(r.block_ids[:2] == header for r in trace)
+    # most requests read a document that was read less than 30 s before (its burst)
+    again = 0
+    for i, r in enumerate(trace):
+        doc = r.block_ids[:12]
+        again += any(
+            o.block_ids[:12] == doc and r.timestamp_ms - o.timestamp_ms < 30_000
+            for o in trace[max(0, i - 60) : i]
+        )
+    assert again > 400

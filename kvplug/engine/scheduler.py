@@ -285,9 +285,10 @@ class Scheduler:
 
     def _try_admit(self, request: Request) -> bool:
         cache, allocator, ps = self.cache, self.allocator, self.page_size
-        t0 = time.perf_counter()
-        # at most len - 1 tokens: the last prompt token is always computed, to sample from it
+        # at most len - 1 tokens: the last prompt token is always computed, to sample from it.
+        # Built before the cache's clock starts: making a trace's tokens is not cache work.
         key = CacheKey(request.prompt[:-1], request.extra_key)
+        t0 = time.perf_counter()
         if self.running and self._can_probe and not self._room_for(request, key):
             self.stats.cache_seconds += time.perf_counter() - t0
             return False
@@ -411,7 +412,7 @@ class Scheduler:
                         continue
                     end = min(end, request.computed + budget)
                     budget -= end - request.computed
-                tokens = list(request.prompt[request.computed : end])
+                tokens = request.prompt[request.computed : end]
                 sample = end == request.prompt_len
             elif len(request.slots) > request.computed:
                 end = request.computed + 1
@@ -467,7 +468,11 @@ class Scheduler:
         t0 = time.perf_counter()
         n = request.computed
         keep = n if self.options.cache_output else request.prompt_len
-        tokens = [*request.prompt, *request.output][:keep]
+        tokens = tuple(request.prompt)  # a tuple (or a trace's tuple-backed prompt): no copy
+        if keep > len(tokens):
+            tokens += tuple(request.output[: keep - len(tokens)])
+        else:
+            tokens = tokens[:keep]
         slots = request.slots
         key = CacheKey(tokens, request.extra_key)
         if self.is_swa:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from kvplug_hookspecs import CacheCleared, PrefixRemoved, PrefixStored
+from kvplug_hookspecs import CacheCleared, CacheEvents, PrefixRemoved, PrefixStored
 
 __all__ = ["HookEvents"]
 
@@ -43,6 +43,21 @@ class HookEvents:
                 log.exception(
                     "kvplug observer hook %s failed", getattr(function, "__qualname__", function)
                 )
+
+    @classmethod
+    def joined(cls, events: HookEvents | None, sinks: list[CacheEvents]) -> HookEvents | None:
+        """``events`` (or no observer hooks) plus ``sinks`` (objects with the ``CacheEvents``
+        methods, a stack's own observers), each called the same guarded way, hooks first."""
+        if not sinks:
+            return events
+        stored, removed, cleared = (
+            ([], [], []) if events is None else (events._stored, events._removed, events._cleared)
+        )
+        return cls(
+            [*stored, *(s.prefix_stored for s in sinks)],
+            [*removed, *(s.prefix_removed for s in sinks)],
+            [*cleared, *(s.cache_cleared for s in sinks)],
+        )
 
     def prefix_stored(self, event: PrefixStored) -> None:
         self._call(self._stored, event)

@@ -7,7 +7,7 @@ again (observer events go through a sink resolved here, or nowhere when nobody o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvplug_hookspecs import (
@@ -29,12 +29,19 @@ __all__ = ["KVCacheStack", "build"]
 
 @dataclass(frozen=True)
 class KVCacheStack:
-    """What ``kvplug.build`` returns: the resolved config and the wired components."""
+    """What ``kvplug.build`` returns: the resolved config and the wired components.
+
+    ``observers``: the built-in observers the config turned on (the KV-event publisher, the
+    metrics exporter; see ``kvplug.cluster``), each fed this cache's events. An engine calls
+    :meth:`end_step` once per scheduler step (the publisher sends one batch per step) and
+    :meth:`close` when it shuts down.
+    """
 
     config: KVCacheConfig
     allocator: TokenAllocator
     prefix_cache: PrefixCache
     new_policy: Callable[[], EvictionPolicy]
+    observers: tuple[Any, ...] = field(default=(), repr=False)
 
     @property
     def pool(self) -> Any:
@@ -44,6 +51,22 @@ class KVCacheStack:
     def evict_for(self, num_tokens: int) -> EvictResult | None:
         """Evict exactly the shortfall for a request of ``num_tokens`` slots."""
         return evict_from_tree_cache(self.prefix_cache, num_tokens)
+
+    def end_step(self) -> None:
+        """The engine finished a step: observers cut what they gathered (one KV-event batch)."""
+        for observer in self.observers:
+            observer.end_step()
+
+    def close(self) -> None:
+        """Stop the observers' background work (publisher thread, metrics server)."""
+        for observer in self.observers:
+            observer.close()
+
+    def __enter__(self) -> KVCacheStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def build(
@@ -59,7 +82,9 @@ def build(
     raise ``pydantic.ValidationError`` from the plugin's own options model. Nothing is allocated
     before every name and option has been validated.
     """
+    from .caches.block_hashing import make_hasher
     from .config import load_config
+    from .events import HookEvents
     from .registry import get_registry, new_policy_factory
 
     if not isinstance(config, KVCacheConfig):
@@ -69,13 +94,32 @@ def build(
 
     allocator = resolved.allocator.registration.factory(config.pool, resolved.allocator.options)
     new_policy = new_policy_factory(resolved.eviction_policy)
-    context = PrefixCacheContext(
-        allocator=allocator,
-        new_policy=new_policy,
-        page_size=config.pool.page_size,
-        events=registry.cache_events(),
-    )
-    cache = resolved.prefix_cache.registration.factory(context, resolved.prefix_cache.options)
-    return KVCacheStack(
-        config=config, allocator=allocator, prefix_cache=cache, new_policy=new_policy
-    )
+    observers: list[Any] = []
+    if config.kv_events.enabled or config.metrics is not None:
+        from .cluster.observers import observers_for  # the cluster extra, only when asked for
+
+        observers = observers_for(config)
+    try:
+        sinks = [o.sink for o in observers if o.sink is not None]
+        context = PrefixCacheContext(
+            allocator=allocator,
+            new_policy=new_policy,
+            page_size=config.pool.page_size,
+            events=HookEvents.joined(registry.cache_events(), sinks),
+            block_hasher=None if config.block_hash is None else make_hasher(config.block_hash),
+        )
+        cache = resolved.prefix_cache.registration.factory(context, resolved.prefix_cache.options)
+        stack = KVCacheStack(
+            config=config,
+            allocator=allocator,
+            prefix_cache=cache,
+            new_policy=new_policy,
+            observers=tuple(observers),
+        )
+        for observer in observers:
+            observer.attach(stack)
+    except BaseException:
+        for observer in observers:
+            observer.close()
+        raise
+    return stack

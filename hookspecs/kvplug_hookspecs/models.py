@@ -13,12 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "TORCH_DTYPES",
+    "BlockHashConfig",
     "CacheCleared",
     "ComponentSelection",
     "EvictParams",
     "EvictResult",
     "FrozenModel",
     "KVCacheConfig",
+    "KVEventsConfig",
+    "MetricsConfig",
     "NoOptions",
     "PoolGeometry",
     "PrefixRemoved",
@@ -143,6 +146,108 @@ class ComponentSelection(FrozenModel):
         return name
 
 
+class KVEventsConfig(FrozenModel):
+    """Publishing the cache's KV events in vLLM's wire format (``kvplug.cluster``).
+
+    The fields, their names and defaults are vLLM's ``KVEventsConfig``: ``publisher="zmq"`` (or
+    ``enable_kv_cache_events=true`` with no publisher, as in vLLM) publishes ``KVEventBatch``es
+    on a ZMQ PUB socket at ``endpoint`` (bound when it holds ``*``, ``::``, or is ``ipc://`` /
+    ``inproc://``, else connected), topic ``topic``; ``replay_endpoint`` (a ROUTER socket)
+    resends the last ``buffer_steps`` batches from a requested sequence number; ``hwm`` is the
+    PUB socket's send high-water mark; ``max_queue_size`` bounds the batches waiting for the
+    sender thread (the oldest are dropped, and counted, past it). ``"null"`` (the default) is off.
+
+    kvplug's own: ``hashes`` puts block hashes on the wire as 64-bit ints (vLLM's default) or
+    bytes; ``data_parallel_rank`` is written in every batch (vLLM's publisher writes its rank,
+    0 without data parallelism).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: PositiveInt = 10_000
+    hwm: NonNegativeInt = 100_000
+    max_queue_size: PositiveInt = 100_000
+    topic: str = ""
+    hashes: Literal["int", "bytes"] = "int"
+    data_parallel_rank: NonNegativeInt = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _publisher_from_enable(cls, value: Any) -> Any:
+        # vLLM: with no publisher named, enable_kv_cache_events picks "zmq", else "null".
+        if isinstance(value, dict) and value.get("publisher") is None:
+            value = {k: v for k, v in value.items() if k != "publisher"}
+            if value.get("enable_kv_cache_events"):
+                value["publisher"] = "zmq"
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        """True when a publisher is selected."""
+        return self.publisher != "null"
+
+
+class MetricsConfig(FrozenModel):
+    """Prometheus metrics of the cache (``kvplug.cluster.metrics``), served over HTTP.
+
+    ``port``: where ``/metrics`` is served (``0`` picks a free port; ``None`` serves nothing,
+    e.g. when the engine already serves the default registry). ``host``: the address to bind.
+    ``namespace``: the metric name prefix, ``kvplug`` by default (``kvplug:prefix_cache_hits``);
+    ``vllm`` gives vLLM's own names, for dashboards built on them, when no vLLM engine exports
+    into the same registry. ``labels``: constant labels on every metric (vLLM's dashboards
+    select on ``model_name`` and ``engine``).
+    """
+
+    port: Annotated[int, Field(ge=0, le=65535, strict=True)] | None = 8000
+    host: str = "127.0.0.1"
+    namespace: Annotated[str, Field(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")] = "kvplug"
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _label_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.match(r"^[a-zA-Z_][a-zA-Z0-9_]*$", name) or name.startswith("__"):
+                raise ValueError(f"invalid Prometheus label name {name!r}")
+        return value
+
+
+class BlockHashConfig(FrozenModel):
+    """How prefix caches hash their pages (``kvplug.caches.block_hashing``).
+
+    ``scheme="kvplug"`` (default): kvplug's fast chain (``algorithm`` ``sha256`` or
+    ``blake2b`` over each page's packed int64 tokens). ``scheme="vllm"``: bit-identical to
+    vLLM's prefix-cache block hashes for the same tokens, block size and extra keys
+    (``algorithm`` is vLLM's ``prefix_caching_hash_algo``: ``sha256`` (pickle), ``sha256_cbor``,
+    ``xxhash``, ``xxhash_cbor``), chained from vLLM's ``NONE_HASH``: the hash of
+    ``none_hash_seed`` when given, else of ``PYTHONHASHSEED`` when set, else of vLLM's fixed
+    seed ``"vllm-none-hash"`` (vLLM draws a random seed for xxhash then: kvplug refuses, a
+    random root could never match). A bare string is the scheme: ``block_hash = "vllm"``.
+    """
+
+    scheme: Literal["kvplug", "vllm"] = "kvplug"
+    algorithm: Literal["sha256", "blake2b", "sha256_cbor", "xxhash", "xxhash_cbor"] | None = None
+    none_hash_seed: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_scheme(cls, value: Any) -> Any:
+        return {"scheme": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _algorithm_fits_scheme(self) -> BlockHashConfig:
+        kvplug = ("sha256", "blake2b")
+        if self.scheme == "kvplug" and self.algorithm not in (None, *kvplug):
+            raise ValueError(f"algorithm {self.algorithm!r} is vLLM's: use scheme='vllm'")
+        if self.scheme == "vllm" and self.algorithm == "blake2b":
+            raise ValueError("vLLM has no 'blake2b' block hash")
+        if self.scheme == "kvplug" and self.none_hash_seed is not None:
+            raise ValueError("none_hash_seed is a setting of scheme='vllm'")
+        return self
+
+
 class KVCacheConfig(FrozenModel):
     """The engine's KV-cache configuration: which plugins to use, and the pool geometry.
 
@@ -155,6 +260,9 @@ class KVCacheConfig(FrozenModel):
     prefix_cache: ComponentSelection = ComponentSelection(name="radix")
     eviction_policy: ComponentSelection = ComponentSelection(name="lru")
     pool: PoolGeometry = PoolGeometry()
+    block_hash: BlockHashConfig | None = None
+    kv_events: KVEventsConfig = KVEventsConfig()
+    metrics: MetricsConfig | None = None
 
 
 class PrefixStored(FrozenModel):

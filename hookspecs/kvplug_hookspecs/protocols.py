@@ -146,12 +146,15 @@ class PrefixCacheContext:
     ``new_policy()`` returns a fresh, empty policy instance of the configured kind (a cache
     with two evictable sets, like ``swa_radix``, calls it twice). ``events`` is ``None`` when no
     plugin implements an observer hook, so a cache pays nothing for events nobody reads.
+    ``block_hasher``: how to hash pages when the config chose (``block_hash``, e.g. vLLM's
+    scheme; ``kvplug.caches.block_hashing``), else ``None``: the cache's own default.
     """
 
     allocator: TokenAllocator
     new_policy: Callable[[], EvictionPolicy]
     page_size: int = 1
     events: CacheEvents | None = None
+    block_hasher: Any = None
 
 
 @runtime_checkable

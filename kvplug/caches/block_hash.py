@@ -69,7 +69,8 @@ class BlockHashOptions(FrozenModel):
     """Options of the ``block_hash`` cache.
 
     ``hash_algorithm``: ``sha256`` (default, as vLLM) or ``blake2b`` (a 128-bit BLAKE2b digest,
-    faster in CPython); both are deterministic across processes.
+    faster in CPython); both are deterministic across processes. A config's ``block_hash``
+    (e.g. ``"vllm"``) replaces it.
     """
 
     hash_algorithm: Literal["sha256", "blake2b"] = "sha256"
@@ -139,6 +140,7 @@ class BlockHashCache(BuiltFromContext):
         *,
         page_size: int | None = None,
         events: CacheEvents | None = None,
+        block_hasher: block_hashing.BlockHasher | None = None,
         options: BlockHashOptions | None = None,
     ) -> None:
         options = cache_options("block_hash", options, BlockHashOptions)
@@ -152,7 +154,9 @@ class BlockHashCache(BuiltFromContext):
         self.device = torch.device(allocator.device)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.stats = CacheStats()
-        self._hash = block_hashing.hasher_for(self.options.hash_algorithm)
+        self.block_hasher = block_hasher or block_hashing.BlockHasher(options.hash_algorithm)
+        """How blocks are hashed: kvplug's scheme with ``hash_algorithm``, or the config's
+        ``block_hash`` (which wins over ``hash_algorithm`` when given)."""
         self._clock = 0
         self._init_state()
 
@@ -166,21 +170,20 @@ class BlockHashCache(BuiltFromContext):
     # ----------------------------------------------------------------------------- hashing
     def _seed(self, extra_key: str | None) -> bytes:
         """The chain's starting digest for a namespace: every block hash covers it."""
-        return block_hashing.seed(self._hash, extra_key)
+        return self.block_hasher.root(extra_key)
 
     def _block_digests(
         self, ids: tuple[int, ...], extra_key: str | None, num_blocks: int
     ) -> Iterator[bytes]:
         """Yield the chain digest of each of the first ``num_blocks`` blocks (lazily), as
         :mod:`kvplug.caches.block_hashing` defines it."""
-        return block_hashing.iter_chain(
-            self._hash, self._seed(extra_key), ids, self.page_size, num_blocks
+        return self.block_hasher.chain(
+            self._seed(extra_key), ids, self.page_size, num_blocks, extra_key
         )
 
-    @staticmethod
-    def _as_int(digest: bytes) -> int:
-        """The event-facing hash of a block (the first 8 bytes of its digest)."""
-        return block_hashing.event_hash(digest)
+    def _as_int(self, digest: bytes) -> int:
+        """The event-facing hash of a block (kvplug's: the first 8 bytes of its digest)."""
+        return self.block_hasher.event_hash(digest)
 
     # ----------------------------------------------------------------------------- failures
     def _saved_stats(self, blocks: list[Block]) -> list[tuple[int, int, int]]:

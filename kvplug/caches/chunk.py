@@ -59,6 +59,7 @@ class ChunkCache(BuiltFromContext):
         *,
         page_size: int | None = None,
         events: CacheEvents | None = None,
+        block_hasher: Any = None,  # shares nothing, so hashes nothing
         options: ChunkCacheOptions | None = None,
     ) -> None:
         options = cache_options("chunk", options, ChunkCacheOptions)

@@ -307,11 +307,16 @@ class BuiltFromContext:
 
     @classmethod
     def from_context(cls, context: PrefixCacheContext, options: Any = None) -> Any:
-        """Build over ``context.allocator`` with its policy factory, page size and events."""
+        """Build over ``context.allocator`` with its policy factory, page size, events and
+        block hasher (when the config chose one)."""
+        extra: dict[str, Any] = {}
+        if context.block_hasher is not None:
+            extra["block_hasher"] = context.block_hasher
         return cls(  # type: ignore[call-arg]
             context.allocator,
             context.new_policy,
             page_size=context.page_size,
             events=context.events,
             options=options,
+            **extra,
         )

@@ -65,6 +65,7 @@ from kvplug_hookspecs import (
 )
 
 from .. import speedups
+from .block_hashing import BlockHasher
 from .common import (
     BuiltFromContext,
     CacheStats,
@@ -197,6 +198,7 @@ class RadixCache(BuiltFromContext):
         *,
         page_size: int | None = None,
         events: CacheEvents | None = None,
+        block_hasher: BlockHasher | None = None,
         options: RadixCacheOptions | None = None,
     ) -> None:
         options = cache_options("radix", options, RadixCacheOptions)
@@ -206,6 +208,8 @@ class RadixCache(BuiltFromContext):
         self.page_size = page_size
         self.device = torch.device(allocator.device)
         self.events = events
+        self.block_hasher = block_hasher or BlockHasher()
+        """How pages are hashed for the KV events (kvplug's scheme, or vLLM's)."""
         self.options = options
         self.stats = CacheStats()
         self.policy = policy
@@ -230,7 +234,9 @@ class RadixCache(BuiltFromContext):
         self.root.lock_ref = 1  # never evicted, never in the policy
         self._hashes = None  # page hashes for the KV events, only when someone observes them
         if self.events is not None:
-            self._hashes = RadixBlockHashes(self.events, self.name, self.root, self.page_size)
+            self._hashes = RadixBlockHashes(
+                self.events, self.name, self.root, self.page_size, self.block_hasher
+            )
         self._evictable = 0
         self._protected = 0
 

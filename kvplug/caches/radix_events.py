@@ -4,9 +4,10 @@ A :class:`RadixBlockHashes` exists only while someone observes the cache's event
 holds ``None`` otherwise and calls nothing here): with no observer, no page is ever hashed.
 
 It keeps, for every node of the tree, the digests of the node's pages (its ``key`` cut into
-``page_size`` tokens; a node always holds whole pages), chained from its parent's last page as
-:mod:`kvplug.caches.block_hashing` defines it, the hashes ``block_hash`` computes for the same
-pages. The events carry :func:`~kvplug.caches.block_hashing.event_hash` of those digests:
+``page_size`` tokens; a node always holds whole pages), chained from its parent's last page by
+the cache's :class:`~kvplug.caches.block_hashing.BlockHasher` (kvplug's scheme, or vLLM's with
+``block_hash = "vllm"``), the hashes ``block_hash`` computes for the same pages. The events
+carry the hasher's ``event_hash`` of those digests:
 
 * ``insert`` that creates a leaf: one ``PrefixStored`` with the leaf's page hashes, the hash
   of the page before it (``parent_block_hash``, ``None`` under the root) and its tokens;
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 
 from kvplug_hookspecs import CacheEvents, PrefixRemoved, PrefixStored
 
-from .block_hashing import event_hash, hasher_for, iter_chain, seed
+from .block_hashing import BlockHasher
 
 
 class RadixNode(Protocol):
@@ -49,12 +50,19 @@ class RadixBlockHashes:
 
     __slots__ = ("_cache", "_digests", "_events", "_hasher", "_page", "_root")
 
-    def __init__(self, events: CacheEvents, cache: str, root: RadixNode, page_size: int) -> None:
+    def __init__(
+        self,
+        events: CacheEvents,
+        cache: str,
+        root: RadixNode,
+        page_size: int,
+        hasher: BlockHasher | None = None,
+    ) -> None:
         self._events = events
         self._cache = cache
         self._root = root
         self._page = page_size
-        self._hasher = hasher_for("sha256")
+        self._hasher = hasher or BlockHasher("sha256")
         self._digests: dict[RadixNode, list[bytes]] = {}
 
     def digests(self, node: RadixNode) -> list[bytes]:
@@ -67,10 +75,11 @@ class RadixBlockHashes:
             up = up.parent
         if up is None:
             raise ValueError(f"{node!r} is not in the tree these hashes describe")
-        parent = seed(self._hasher, node.namespace) if up is self._root else known[up][-1]
+        hasher = self._hasher
+        parent = hasher.root(node.namespace) if up is self._root else known[up][-1]
         for n in reversed(missing):
             pages = n.num_tokens // self._page
-            known[n] = list(iter_chain(self._hasher, parent, n.key, self._page, pages))
+            known[n] = list(hasher.chain(parent, n.key, self._page, pages, n.namespace))
             parent = known[n][-1]
         return known[node]
 
@@ -86,12 +95,12 @@ class RadixBlockHashes:
         parent = leaf.parent
         parent_hash = None
         if parent is not None and parent is not self._root:
-            parent_hash = event_hash(self.digests(parent)[-1])
+            parent_hash = self._hasher.event_hash(self.digests(parent)[-1])
         self._events.prefix_stored(
             PrefixStored(
                 cache=self._cache,
                 num_tokens=leaf.num_tokens,
-                block_hashes=tuple(map(event_hash, self.digests(leaf))),
+                block_hashes=tuple(map(self._hasher.event_hash, self.digests(leaf))),
                 extra_key=leaf.namespace,
                 parent_block_hash=parent_hash,
                 token_ids=leaf.key,
@@ -104,6 +113,7 @@ class RadixBlockHashes:
         """Report an eviction: ``leaves`` were unlinked (in that order), then ``cut`` (when not
         ``None``) lost its last ``cut_pages`` pages. Forgets what is no longer cached."""
         known = self._digests
+        event_hash = self._hasher.event_hash
         hashes: list[int] = []
         for leaf in leaves:
             hashes.extend(map(event_hash, known.pop(leaf)))

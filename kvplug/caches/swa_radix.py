@@ -62,6 +62,7 @@ from kvplug_hookspecs import (
     SWATokenAllocator,
 )
 
+from .block_hashing import BlockHasher
 from .common import (
     BuiltFromContext,
     CacheStats,
@@ -157,6 +158,7 @@ class SWARadixCache(BuiltFromContext):
         *,
         page_size: int | None = None,
         events: CacheEvents | None = None,
+        block_hasher: BlockHasher | None = None,
         options: SWARadixOptions | None = None,
     ) -> None:
         options = cache_options("swa_radix", options, SWARadixOptions)
@@ -181,6 +183,8 @@ class SWARadixCache(BuiltFromContext):
         self.page_size = page_size
         self.device = torch.device(allocator.device)
         self.events = events
+        self.block_hasher = block_hasher or BlockHasher()
+        """How pages are hashed for the KV events (kvplug's scheme, or vLLM's)."""
         self.options = options
         self.stats = CacheStats()
         self.full_policy = full_policy
@@ -196,7 +200,9 @@ class SWARadixCache(BuiltFromContext):
         # page hashes of the full side for the KV events, only when someone observes them
         self._hashes = None
         if self.events is not None:
-            self._hashes = RadixBlockHashes(self.events, self.name, self.root, self.page_size)
+            self._hashes = RadixBlockHashes(
+                self.events, self.name, self.root, self.page_size, self.block_hasher
+            )
         self._dead: dict[SWARadixNode, None] = {}  # unlocked tombstoned leaves, oldest first
         self._full_evictable = self._full_protected = 0
         self._swa_evictable = self._swa_protected = 0

@@ -13,7 +13,9 @@ Each ``step()``:
 3. **forward**: prompt chunks (within ``max_prefill_tokens`` per step) and decode tokens go to the
    model in one batch; without a model the next tokens are the requests' given outputs;
 4. **finish** requests that produced ``max_new_tokens``: insert prompt + output (or the prompt
-   only) into the cache, unlock the prefix, free the caller's unaligned tail.
+   only) into the cache, unlock the prefix, free the caller's unaligned tail;
+5. **end the step** on the stack (``stack.end_step()``), when it has observers: the KV-event
+   publisher sends the step's events as one batch, as vLLM's scheduler does once per step.
 
 ``debug=True`` checks conservation after every step (per pool for SWA): free + evictable +
 protected + held by running requests == capacity. Nothing here is specific to one cache or
@@ -117,6 +119,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.now_ms = 0.0
         self._admissions = 0
+        # the stack's observers (KV-event publisher, metrics) hear where each step ends
+        self._end_step = stack.end_step if getattr(stack, "observers", ()) else None
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -168,6 +172,8 @@ class Scheduler:
         for request in done:
             self._finish(request)
         self.stats.steps += steps
+        if self._end_step is not None:
+            self._end_step()
         if self.options.debug:
             self.check_conservation()
         return done

@@ -175,7 +175,7 @@ def test_no_observer_no_hashing(monkeypatch: pytest.MonkeyPatch):
     def refuse(*args, **kwargs):
         raise AssertionError("hashed with no observer")
 
-    monkeypatch.setattr(radix_events, "iter_chain", refuse)
+    monkeypatch.setattr(block_hashing, "iter_chain", refuse)
     monkeypatch.setattr(radix_events, "RadixBlockHashes", refuse)
     cache, allocator = make_radix(capacity=32, page_size=1)
     assert cache._hashes is None
@@ -290,7 +290,7 @@ def test_swa_radix_without_an_observer_hashes_nothing(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("hashed without an observer")
 
-    monkeypatch.setattr(radix_events, "iter_chain", boom)
+    monkeypatch.setattr(block_hashing, "iter_chain", boom)
     allocator = SWAAllocator(64, 32, 4, device="cpu")
     cache = SWARadixCache(allocator, new_policy_factory("lru"))
     put(cache, allocator, [1, 2, 3, 4])

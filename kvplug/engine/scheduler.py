@@ -119,6 +119,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.now_ms = 0.0
         self._admissions = 0
+        self.next_arrival_ms: float | None = None
+        """When a driver that routes requests itself (the simulator's cluster) will add the
+        next one: decode steps are not fast-forwarded past it, as if it were already queued."""
         # the stack's observers (KV-event publisher, metrics) hear where each step ends
         self._end_step = stack.end_step if getattr(stack, "observers", ()) else None
 
@@ -194,13 +197,15 @@ class Scheduler:
         if any(r.in_prefill or r.slots is None or len(r.slots) != r.computed for r in self.running):
             return 0
         steps = min(r.max_new_tokens - len(r.output) for r in self.running)
-        if self.waiting and self.options.timing == "trace":
-            head = self.waiting[0]
-            if head.arrival_ms <= self.now_ms:
+        if self.options.timing != "trace":
+            return steps
+        arrival = self.waiting[0].arrival_ms if self.waiting else self.next_arrival_ms
+        if arrival is not None:
+            if arrival <= self.now_ms:
                 return 0  # it waits for memory: each step retries it
             o = self.options
             per_step = o.step_overhead_us + len(self.running) * o.decode_us_per_request
-            steps = min(steps, int((head.arrival_ms - self.now_ms) * 1000.0 // per_step) + 1)
+            steps = min(steps, int((arrival - self.now_ms) * 1000.0 // per_step) + 1)
         return steps
 
     def _fast_forward(self, steps: int) -> bool:

@@ -106,7 +106,9 @@ class BlockPrompt(Sequence[int]):
 class TraceRequest:
     """One request of a trace. ``prompt`` is a token sequence (a :class:`BlockPrompt` for
     block-structured traces); ``output`` the answer's tokens when the trace knows them (the
-    synthetic generator does, so a next turn can reuse them), else ``None``."""
+    synthetic generator does, so a next turn can reuse them), else ``None``. ``session_id``
+    names the conversation a request belongs to when the trace knows it (the synthetic
+    generator does; routers with session affinity use it)."""
 
     index: int
     timestamp_ms: float
@@ -114,6 +116,7 @@ class TraceRequest:
     output_length: int
     extra_key: str | None = None
     output: Sequence[int] | None = None
+    session_id: str | None = None
 
     @property
     def block_ids(self) -> tuple[int, ...] | None:

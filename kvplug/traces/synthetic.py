@@ -84,38 +84,49 @@ def synthetic_trace(spec: SyntheticSpec | None = None) -> Iterator[TraceRequest]
 
     system = [new_blocks(spec.system_blocks) for _ in range(spec.system_prompts)]
     weights = _zipf_weights(spec.system_prompts, spec.zipf_a)
-    # (arrival ms, tie-break, history blocks, turns left); a heap yields turns in time order
-    pending: list[tuple[float, int, list[int], int]] = []
+    # (arrival ms, tie-break, history blocks, turns left, session); a heap yields turns in
+    # time order
+    pending: list[tuple[float, int, list[int], int, str]] = []
     clock_ms, serial, emitted = 0.0, 0, 0
     while emitted < spec.num_requests:
         clock_ms += rng.expovariate(spec.conversations_per_s) * 1000.0
         while pending and pending[0][0] <= clock_ms and emitted < spec.num_requests:
-            arrival, _, history, turns_left = heapq.heappop(pending)
-            request, history = _turn(spec, rng, new_blocks, emitted, arrival, history)
+            arrival, _, history, turns_left, session = heapq.heappop(pending)
+            request, history = _turn(spec, rng, new_blocks, emitted, arrival, history, session)
             emitted += 1
             yield request
             if turns_left > 1:
                 serial += 1
-                heapq.heappush(pending, (arrival + think(), serial, history, turns_left - 1))
+                heapq.heappush(
+                    pending, (arrival + think(), serial, history, turns_left - 1, session)
+                )
         if emitted >= spec.num_requests:
             break
         prompt = system[rng.choices(range(spec.system_prompts), weights)[0]]
         if rng.random() < spec.session_fraction:
             turns = rng.randint(2, max(2, spec.max_turns))
-            request, history = _turn(spec, rng, new_blocks, emitted, clock_ms, list(prompt))
+            session = f"s{emitted}"  # named after its first request
+            request, history = _turn(
+                spec, rng, new_blocks, emitted, clock_ms, list(prompt), session
+            )
             emitted += 1
             yield request
             serial += 1
-            heapq.heappush(pending, (clock_ms + think(), serial, history, turns - 1))
+            heapq.heappush(pending, (clock_ms + think(), serial, history, turns - 1, session))
         else:
             blocks = [*prompt, *new_blocks(rng.randint(*spec.one_off_blocks))]
             answer = new_blocks(rng.randint(*spec.answer_blocks))
-            yield _request(spec, emitted, clock_ms, blocks, answer)
+            yield _request(spec, emitted, clock_ms, blocks, answer, f"s{emitted}")
             emitted += 1
 
 
 def _request(
-    spec: SyntheticSpec, index: int, arrival: float, blocks: list[int], answer: list[int]
+    spec: SyntheticSpec,
+    index: int,
+    arrival: float,
+    blocks: list[int],
+    answer: list[int],
+    session: str,
 ) -> TraceRequest:
     size = spec.block_size
     return TraceRequest(
@@ -124,6 +135,7 @@ def _request(
         prompt=BlockPrompt(blocks, len(blocks) * size, size),
         output_length=len(answer) * size,
         output=BlockPrompt(answer, len(answer) * size, size),
+        session_id=session,
     )
 
 
@@ -134,9 +146,10 @@ def _turn(
     index: int,
     arrival: float,
     history: list[int],
+    session: str,
 ) -> tuple[TraceRequest, list[int]]:
     """One session turn: history + user blocks, answered by new blocks; returns the request
     and the next turn's history (prompt + answer)."""
     blocks = [*history, *new_blocks(rng.randint(*spec.user_blocks))]
     answer = new_blocks(rng.randint(*spec.answer_blocks))
-    return _request(spec, index, arrival, blocks, answer), [*blocks, *answer]
+    return _request(spec, index, arrival, blocks, answer, session), [*blocks, *answer]

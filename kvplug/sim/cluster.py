@@ -245,8 +245,9 @@ def _run_cluster(spec: ClusterSpec) -> ClusterResult:
         inst.scheduler.step()
         fold(inst)
     wall = time.perf_counter() - started
-    return _result(spec, config, instances, requests, saved, total, routing, max_queue, queues,
-                   router, wall)  # fmt: skip
+    return _result(
+        spec, config, instances, requests, saved, total, routing, max_queue, queues, router, wall
+    )
 
 
 def _result(
@@ -295,8 +296,7 @@ def _result(
         max_queue=max_queue,
         mean_queue=sum(queues) / len(queues) if queues else 0.0,
         served_tokens=served,
-        instance_hit_rates=[s.hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
-                            for s in stats],  # fmt: skip
+        instance_hit_rates=[s.hit_tokens / max(1, s.prompt_tokens) for s in stats],
         kv_events=index.events if index is not None else 0,
         router_us_per_request=routing / max(1, requests) * 1e6,
         cache_us_per_request=sum(s.cache_seconds for s in stats) / max(1, finished) * 1e6,

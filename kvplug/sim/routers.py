@@ -166,9 +166,7 @@ class SessionRouter(Router):
     """Every request of a session to the instance its id hashes to on a consistent-hash ring
     (stable hashes: the same in every process and run). Blind to load."""
 
-    def __init__(
-        self, instances: int, block_size: int, seed: int, options: SessionOptions
-    ) -> None:
+    def __init__(self, instances: int, block_size: int, seed: int, options: SessionOptions) -> None:
         super().__init__(instances, block_size, seed)
         self.options = options
         points = sorted(
@@ -271,9 +269,7 @@ class KVAwareRouter(Router):
 
     needs_events = True
 
-    def __init__(
-        self, instances: int, block_size: int, seed: int, options: KVAwareOptions
-    ) -> None:
+    def __init__(self, instances: int, block_size: int, seed: int, options: KVAwareOptions) -> None:
         super().__init__(instances, block_size, seed)
         self.options = options
         self.index = KVBlockIndex(instances)

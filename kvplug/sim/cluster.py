@@ -27,10 +27,11 @@ from kvplug_hookspecs import FrozenModel, PrefixCacheContext
 
 from ..engine import Request, Scheduler, SchedulerOptions
 from ..stack import KVCacheStack, build
+from .metrics import RunResult
 from .replay import BELADY, RunSpec, SimulationError, _no_collector_passes, _stack_config
 from .routers import ROUTERS, InstanceLoad, Router, make_router
 
-__all__ = ["ClusterResult", "ClusterSpec", "run_cluster"]
+__all__ = ["CLUSTER_FIELDS", "ClusterResult", "ClusterSpec", "as_single", "run_cluster"]
 
 
 class ClusterSpec(FrozenModel):
@@ -307,3 +308,33 @@ def _result(
 def _imbalance(values: list[int]) -> float:
     mean = sum(values) / len(values)
     return max(values) / mean if mean else 1.0
+
+
+def as_single(result: RunResult) -> ClusterResult:
+    """A one-instance run as the cluster table's reference row (router ``single``)."""
+    return ClusterResult(
+        trace=result.trace,
+        router="single",
+        instances=1,
+        policy=result.policy,
+        capacity_tokens=result.capacity_tokens,
+        page_size=result.page_size,
+        timing=result.timing,
+        requests=result.requests,
+        completed=result.completed,
+        aborted=result.aborted,
+        preemptions=result.preemptions,
+        prompt_tokens=result.prompt_tokens,
+        hit_tokens=result.hit_tokens,
+        hit_rate=result.hit_rate,
+        prefill_saved=result.prefill_saved,
+        evicted_tokens=result.evicted_tokens,
+        load_imbalance=1.0,
+        request_imbalance=1.0,
+        max_queue=0,
+        mean_queue=0.0,
+        served_tokens=[result.prompt_tokens],
+        instance_hit_rates=[result.hit_rate],
+        cache_us_per_request=result.cache_us_per_request,
+        wall_seconds=result.wall_seconds,
+    )

@@ -25,10 +25,17 @@ from pydantic import Field
 
 from kvplug_hookspecs import FrozenModel, PrefixCacheContext
 
-from ..engine import Request, Scheduler, SchedulerOptions
+from ..engine import Scheduler, SchedulerOptions
 from ..stack import KVCacheStack, build
 from .metrics import RunResult
-from .replay import BELADY, RunSpec, SimulationError, _no_collector_passes, _stack_config
+from .replay import (
+    BELADY,
+    RunSpec,
+    SimulationError,
+    _no_collector_passes,
+    _stack_config,
+    scheduled,
+)
 from .routers import ROUTERS, InstanceLoad, Router, make_router
 
 __all__ = ["CLUSTER_FIELDS", "ClusterResult", "ClusterSpec", "as_single", "run_cluster"]
@@ -226,16 +233,7 @@ def _run_cluster(spec: ClusterSpec) -> ClusterResult:
             inst.served_tokens += len(tokens)
             inst.served_requests += 1
             inst.served_blocks += -(-(len(tokens) + pending.output_length) // page)
-            inst.scheduler.add_request(
-                Request(
-                    pending.index,
-                    pending.prompt,
-                    pending.output_length,
-                    extra_key=pending.extra_key,
-                    arrival_ms=pending.timestamp_ms,
-                    output_tokens=pending.output,
-                )
-            )
+            inst.scheduler.add_request(scheduled(pending))
             requests += 1
             pending = next(trace, None)
             continue

@@ -256,6 +256,18 @@ def _no_collector_passes() -> Iterator[None]:
             gc.collect()
 
 
+def scheduled(request: TraceRequest) -> Request:
+    """A trace's request as the reference scheduler takes it."""
+    return Request(
+        request.index,
+        request.prompt,
+        request.output_length,
+        extra_key=request.extra_key,
+        arrival_ms=request.timestamp_ms,
+        output_tokens=request.output,
+    )
+
+
 def run_one(spec: RunSpec) -> RunResult:
     """Replay ``spec.source`` through one configuration and measure it."""
     with _no_collector_passes():
@@ -294,16 +306,7 @@ def _run_one(spec: RunSpec) -> RunResult:
         while pending is not None and (
             len(waiting) < 2 or pending.timestamp_ms <= scheduler.now_ms
         ):
-            scheduler.add_request(
-                Request(
-                    pending.index,
-                    pending.prompt,
-                    pending.output_length,
-                    extra_key=pending.extra_key,
-                    arrival_ms=pending.timestamp_ms,
-                    output_tokens=pending.output,
-                )
-            )
+            scheduler.add_request(scheduled(pending))
             requests += 1
             pending = next(trace, None)
         if scheduler.idle:

@@ -66,9 +66,8 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed."""
 
 
-def write_plot(results: Sequence[RunResult], path: str | os.PathLike[str], title: str) -> None:
-    """Hit rate against capacity, one line per policy (``belady`` dashed), with matplotlib's
-    headless Agg backend."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the headless Agg backend."""
     try:
         import matplotlib
 
@@ -78,6 +77,13 @@ def write_plot(results: Sequence[RunResult], path: str | os.PathLike[str], title
         raise PlotUnavailable(
             "--plot needs matplotlib: pip install 'kvplug[sim]' (or pip install matplotlib)"
         ) from None
+    return plt
+
+
+def write_plot(results: Sequence[RunResult], path: str | os.PathLike[str], title: str) -> None:
+    """Hit rate against capacity, one line per policy (``belady`` dashed), with matplotlib's
+    headless Agg backend."""
+    plt = _pyplot()
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in results:
         label = r.policy if r.eviction == "shortfall" else f"{r.policy} (full eviction)"
@@ -139,15 +145,7 @@ def write_cluster_csv(results: Sequence[Any], path: str | os.PathLike[str]) -> N
 def write_cluster_plot(results: Sequence[Any], path: str | os.PathLike[str], title: str) -> None:
     """Hit rate (left) and load max/mean (right) by router, one bar group per instance count;
     the one-instance run with the same total capacity is the dashed reference line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlotUnavailable(
-            "--plot needs matplotlib: pip install 'kvplug[sim]' (or pip install matplotlib)"
-        ) from None
+    plt = _pyplot()
     routed = [r for r in results if r.router != "single"]
     routers = sorted({r.router for r in routed})
     counts = sorted({r.instances for r in routed})

@@ -250,6 +250,20 @@ class PrefixAwareRouter(Router):
             tree.popitem(last=False)
 
 
+class _EventRouter(Router):
+    """A router that reads the instances' ``KVEventBatch``es into a :class:`KVBlockIndex`."""
+
+    needs_events = True
+
+    def __init__(self, instances: int, block_size: int, seed: int, options: Any) -> None:
+        super().__init__(instances, block_size, seed)
+        self.options = options
+        self.index = KVBlockIndex(instances)
+
+    def observe(self, instance: int, batches: list[Any]) -> None:
+        self.index.apply(instance, batches)
+
+
 class KVAwareOptions(FrozenModel):
     """NVIDIA Dynamo's KV router (``--router-mode kv``), its defaults.
 
@@ -264,18 +278,10 @@ class KVAwareOptions(FrozenModel):
     overlap_weight: float = Field(1.0, ge=0)
 
 
-class KVAwareRouter(Router):
+class KVAwareRouter(_EventRouter):
     """Dynamo-style KV-aware routing from the instances' published ``KVEventBatch``es."""
 
-    needs_events = True
-
-    def __init__(self, instances: int, block_size: int, seed: int, options: KVAwareOptions) -> None:
-        super().__init__(instances, block_size, seed)
-        self.options = options
-        self.index = KVBlockIndex(instances)
-
-    def observe(self, instance: int, batches: list[Any]) -> None:
-        self.index.apply(instance, batches)
+    options: KVAwareOptions
 
     def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
         keys = self._cacheable_keys(tokens)
@@ -310,18 +316,10 @@ class LlmdOptions(FrozenModel):
     host_weight: float = Field(0.8, ge=0)
 
 
-class LlmdRouter(Router):
+class LlmdRouter(_EventRouter):
     """llm-d-style precise prefix-cache scoring from the instances' ``KVEventBatch``es."""
 
-    needs_events = True
-
-    def __init__(self, instances: int, block_size: int, seed: int, options: LlmdOptions) -> None:
-        super().__init__(instances, block_size, seed)
-        self.options = options
-        self.index = KVBlockIndex(instances)
-
-    def observe(self, instance: int, batches: list[Any]) -> None:
-        self.index.apply(instance, batches)
+    options: LlmdOptions
 
     def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
         o = self.options

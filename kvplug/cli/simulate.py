@@ -1,4 +1,5 @@
-"""``kvplug simulate``: replay a trace through every policy x capacity and report hit rates.
+"""``kvplug simulate``: replay a trace through every policy x capacity and report hit rates;
+with ``--instances``, through N instances behind every ``--router``.
 
 With no arguments it runs the seeded synthetic chat workload on the default config at three
 capacities, the built-in policies and Belady's offline optimum, in well under a minute.
@@ -29,14 +30,20 @@ from ..sim import (
     run_grid,
     trace_summary,
 )
+from ..sim.cluster import ClusterSpec, as_single
+from ..sim.replay import _stack_config
 from ..sim.report import (
     PlotUnavailable,
+    cluster_table,
     results_table,
+    write_cluster_csv,
+    write_cluster_plot,
     write_csv,
     write_json,
     write_plot,
     write_tier_plot,
 )
+from ..sim.routers import ROUTERS, make_router
 from ..sim.tiers import NO_TIERS, combined_tokens, parse_hierarchies
 from ..traces import PRESETS, TraceError
 from .app import EXIT_BAD_CONFIG, DebugOption, app, err, fail, out
@@ -63,6 +70,55 @@ def _detect_format(path: Path) -> str:
 
 def _split(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise SimulationError(f"--instances: {text!r} is not a positive instance count")
+    return int(text)
+
+
+def _router_options(text: str | None) -> dict[str, dict[str, Any]]:
+    """``--router-options`` JSON: router name -> its options (checked by the router)."""
+    if text is None:
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SimulationError(f"--router-options is not valid JSON ({exc.msg})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise SimulationError('--router-options must map router names to options: {"name": {}}')
+    for name in data:
+        if name not in ROUTERS:
+            raise SimulationError(
+                f"--router-options: unknown router {name!r}; valid: {', '.join(ROUTERS)}"
+            )
+    return data
+
+
+def _cluster_specs(
+    runs: list[RunSpec],
+    counts: list[int],
+    routers: list[str],
+    options: dict[str, dict[str, Any]],
+    seed: int,
+) -> list[RunSpec | ClusterSpec]:
+    """Every run on every instance count behind every router, and for each count the one
+    instance holding the same total capacity (the reference line)."""
+    specs: list[RunSpec | ClusterSpec] = []
+    for run in runs:
+        for n in counts:
+            per_instance = _stack_config(run).pool.capacity_tokens  # whole pages
+            total = run.model_copy(update={"capacity_tokens": per_instance * n})
+            if n > 1 and total not in specs:
+                specs.append(total)
+            specs += [
+                ClusterSpec(
+                    run=run, instances=n, router=r, router_options=options.get(r, {}), seed=seed
+                )
+                for r in routers
+            ]
+    return specs
 
 
 @app.command("simulate")
@@ -136,10 +192,38 @@ def simulate_command(
     plot_path: Annotated[
         Path | None, typer.Option("--plot", help="Write a hit-rate PNG (needs kvplug[sim]).")
     ] = None,
+    instances: Annotated[
+        str | None,
+        typer.Option(
+            "--instances",
+            help="Comma-separated instance counts: replay through N instances behind routers "
+            "(--capacity is then per instance).",
+        ),
+    ] = None,
+    router: Annotated[
+        str, typer.Option("--router", help=f"Comma-separated routers: {', '.join(ROUTERS)}.")
+    ] = ",".join(ROUTERS),
+    router_options: Annotated[
+        str | None,
+        typer.Option(
+            "--router-options",
+            help='Router options as JSON, e.g. \'{"kv_aware": {"overlap_weight": 2}}\'.',
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Routers' tie-breaking seed.")] = 0,
+    executor: Annotated[
+        str, typer.Option("--executor", help="local (--jobs processes) or ray.")
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option("--ray-address", help="ray.init(address=...): none starts a local Ray."),
+    ] = None,
     debug: DebugOption = False,
 ) -> None:
     """Replay a trace through real kvplug stacks: hit rate, evictions, over-eviction per
-    policy and capacity, with Belady's offline optimum beside them."""
+    policy and capacity, with Belady's offline optimum beside them. With --instances, through
+    N instances behind each router: cluster hit rate and load balance per router, beside one
+    instance holding the same total capacity."""
     try:
         if timing not in ("sequential", "trace"):
             raise SimulationError(f"--timing must be sequential or trace, got {timing!r}")
@@ -147,6 +231,14 @@ def simulate_command(
             raise SimulationError(f"--insert must be prompt+output or prompt, got {insert!r}")
         if baseline not in (None, "full-eviction"):
             raise SimulationError(f"--baseline must be full-eviction, got {baseline!r}")
+        if executor not in ("local", "ray"):
+            raise SimulationError(f"--executor must be local or ray, got {executor!r}")
+        counts = [_count(n) for n in _split(instances)] if instances is not None else []
+        routers = _split(router)
+        for name in routers:
+            if name not in ROUTERS:
+                raise SimulationError(f"unknown router {name!r}; valid: {', '.join(ROUTERS)}")
+        options = _router_options(router_options)
         if trace is None:
             source = TraceSource(kind="synthetic", preset=synthetic, limit=limit)
             source.spec()
@@ -167,11 +259,11 @@ def simulate_command(
             raise SimulationError(f"the trace {source.name} has no requests")
         capacities = [parse_capacity(c, summary.unique_tokens) for c in _split(capacity)]
         policies = _split(policy)
-        if belady and source.kind != "tokens" and BELADY not in policies:
+        if belady and source.kind != "tokens" and BELADY not in policies and not counts:
             policies.append(BELADY)
         cost = PrefillCost(linear=cost_linear, quadratic=cost_quadratic)
         hierarchies: list[str | None] = [None] if tiers is None else list(parse_hierarchies(tiers))
-        specs = [
+        specs: list[Any] = [
             RunSpec(
                 source=source,
                 config=config_data,
@@ -188,7 +280,7 @@ def simulate_command(
             for p in (policies if h is None or h.strip().lower() == NO_TIERS else
                       [q for q in policies if q != BELADY])
         ]  # fmt: skip
-        if tiers is not None and combined:  # one device tier as large as each hierarchy
+        if tiers is not None and combined and not counts:  # one device tier as large as each
             specs += [
                 specs[0].model_copy(
                     update={"capacity_tokens": total, "tiers": None, "policy": policies[0]}
@@ -198,12 +290,17 @@ def simulate_command(
                     - set(capacities)
                 )
             ]
-        if baseline:
+        if counts:
+            specs = _cluster_specs(specs, counts, routers, options, seed)
+        elif baseline:
             specs += [
                 s.model_copy(update={"eviction": "full"}) for s in specs if s.policy == policies[0]
             ]
         for s in specs[:1]:  # names and options are checked before any worker starts
-            check_names(s, policies)
+            check_names(s.run if isinstance(s, ClusterSpec) else s, policies)
+        for s in specs:
+            if isinstance(s, ClusterSpec):
+                make_router(s.router, s.instances, 1, s.seed, s.router_options)
     except (
         SimulationError,
         TraceError,
@@ -217,7 +314,7 @@ def simulate_command(
 
     if summary.skipped:
         err.print(f"skipped {len(summary.skipped)} malformed line(s); first: {summary.skipped[0]}")
-    results: list[RunResult] = []
+    results: list[Any] = []
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -228,7 +325,13 @@ def simulate_command(
     ) as progress:
         task = progress.add_task("simulating", total=len(specs))
         try:
-            results = run_grid(specs, jobs=jobs, on_result=lambda r: progress.advance(task))
+            results = run_grid(
+                specs,
+                jobs=jobs,
+                on_result=lambda r: progress.advance(task),
+                executor="ray" if executor == "ray" else "local",
+                address=ray_address,
+            )
         except (SimulationError, TraceError) as exc:
             raise fail(exc, EXIT_BAD_CONFIG, debug) from None
     title = (
@@ -236,7 +339,11 @@ def simulate_command(
         f"({summary.unique_tokens:,} unique), {timing} timing"
     )
     wide = Console(soft_wrap=True, width=None if out.is_terminal else 160)
-    wide.print(results_table(results, title))
+    if counts:
+        results = [as_single(r) if isinstance(r, RunResult) else r for r in results]
+        wide.print(cluster_table(results, title))
+    else:
+        wide.print(results_table(results, title))
     meta = {
         "trace": source.name,
         "requests": summary.requests,
@@ -247,13 +354,17 @@ def simulate_command(
         "insert": insert,
         "cost": cost.model_dump(),
     }
+    if counts:
+        meta.update(instances=counts, routers=routers, router_options=options, seed=seed)
     if json_path:
         write_json(results, json_path, meta)
     if csv_path:
-        write_csv(results, csv_path)
+        (write_cluster_csv if counts else write_csv)(results, csv_path)
     if plot_path:
         try:
-            if tiers is not None:
+            if counts:
+                write_cluster_plot(results, plot_path, title=source.name)
+            elif tiers is not None:
                 write_tier_plot(results, plot_path, title=source.name)
             else:
                 write_plot(results, plot_path, title=source.name)

@@ -34,7 +34,7 @@ class ForwardItem:
     """
 
     request_id: int
-    token_ids: list[int]
+    token_ids: Sequence[int]
     start_pos: int
     slots: torch.Tensor
     sample: bool

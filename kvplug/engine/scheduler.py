@@ -120,6 +120,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.now_ms = 0.0
         self._admissions = 0
+        self.next_arrival_ms: float | None = None
+        """When a driver that routes requests itself (the simulator's cluster) will add the
+        next one: decode steps are not fast-forwarded past it, as if it were already queued."""
         # the stack's observers (KV-event publisher, metrics) hear where each step ends
         self._end_step = stack.end_step if getattr(stack, "observers", ()) else None
 
@@ -195,13 +198,15 @@ class Scheduler:
         if any(r.in_prefill or r.slots is None or len(r.slots) != r.computed for r in self.running):
             return 0
         steps = min(r.max_new_tokens - len(r.output) for r in self.running)
-        if self.waiting and self.options.timing == "trace":
-            head = self.waiting[0]
-            if head.arrival_ms <= self.now_ms:
+        if self.options.timing != "trace":
+            return steps
+        arrival = self.waiting[0].arrival_ms if self.waiting else self.next_arrival_ms
+        if arrival is not None:
+            if arrival <= self.now_ms:
                 return 0  # it waits for memory: each step retries it
             o = self.options
             per_step = o.step_overhead_us + len(self.running) * o.decode_us_per_request
-            steps = min(steps, int((head.arrival_ms - self.now_ms) * 1000.0 // per_step) + 1)
+            steps = min(steps, int((arrival - self.now_ms) * 1000.0 // per_step) + 1)
         return steps
 
     def _fast_forward(self, steps: int) -> bool:
@@ -292,9 +297,10 @@ class Scheduler:
 
     def _try_admit(self, request: Request) -> bool:
         cache, allocator, ps = self.cache, self.allocator, self.page_size
-        t0 = time.perf_counter()
-        # at most len - 1 tokens: the last prompt token is always computed, to sample from it
+        # at most len - 1 tokens: the last prompt token is always computed, to sample from it.
+        # Built before the cache's clock starts: making a trace's tokens is not cache work.
         key = CacheKey(request.prompt[:-1], request.extra_key)
+        t0 = time.perf_counter()
         if self.running and self._can_probe and not self._room_for(request, key):
             self.stats.cache_seconds += time.perf_counter() - t0
             return False
@@ -419,7 +425,7 @@ class Scheduler:
                         continue
                     end = min(end, request.computed + budget)
                     budget -= end - request.computed
-                tokens = list(request.prompt[request.computed : end])
+                tokens = request.prompt[request.computed : end]
                 sample = end == request.prompt_len
             elif len(request.slots) > request.computed:
                 end = request.computed + 1
@@ -475,7 +481,11 @@ class Scheduler:
         t0 = time.perf_counter()
         n = request.computed
         keep = n if self.options.cache_output else request.prompt_len
-        tokens = [*request.prompt, *request.output][:keep]
+        tokens = tuple(request.prompt)  # a tuple (or a trace's tuple-backed prompt): no copy
+        if keep > len(tokens):
+            tokens += tuple(request.output[: keep - len(tokens)])
+        else:
+            tokens = tokens[:keep]
         slots = request.slots
         key = CacheKey(tokens, request.extra_key)
         if self.is_swa:

@@ -2,12 +2,14 @@
 
 It drives the same caches, allocators and shortfall eviction an engine drives (through the
 reference scheduler in :mod:`kvplug.engine`), on pools that keep slot bookkeeping only, and sets
-the offline optimum (:mod:`.belady`) beside the online policies. ``kvplug simulate`` is its CLI.
+the offline optimum (:mod:`.belady`) beside the online policies; :mod:`.cluster` replays a trace
+through N instances behind a router (:mod:`.routers`). ``kvplug simulate`` is its CLI.
 """
 
 from __future__ import annotations
 
 from .belady import BeladyOracle, BeladyPolicy
+from .cluster import ClusterResult, ClusterSpec, run_cluster
 from .metrics import PrefillCost, RunResult
 from .replay import (
     BELADY,
@@ -19,12 +21,16 @@ from .replay import (
     run_one,
     trace_summary,
 )
-from .sweep import run_grid
+from .routers import ROUTERS
+from .sweep import run_cell, run_grid
 
 __all__ = [
     "BELADY",
+    "ROUTERS",
     "BeladyOracle",
     "BeladyPolicy",
+    "ClusterResult",
+    "ClusterSpec",
     "PrefillCost",
     "RunResult",
     "RunSpec",
@@ -32,6 +38,8 @@ __all__ = [
     "TraceSource",
     "check_names",
     "parse_capacity",
+    "run_cell",
+    "run_cluster",
     "run_grid",
     "run_one",
     "trace_summary",

@@ -1,4 +1,5 @@
-"""Write a study's results: a rich table, JSON, CSV and a hit-rate-vs-capacity plot."""
+"""Write a study's results: a rich table, JSON, CSV and a hit-rate-vs-capacity plot (and for
+clusters, a hit-rate and imbalance by router plot)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ from rich.table import Table
 
 from .metrics import FIELDS, RunResult
 
-__all__ = ["results_table", "write_csv", "write_json", "write_plot", "write_tier_plot"]
+__all__ = [
+    "cluster_table",
+    "results_table",
+    "write_cluster_csv",
+    "write_cluster_plot",
+    "write_csv",
+    "write_json",
+    "write_plot",
+    "write_tier_plot",
+]
 
 
 def results_table(results: Sequence[RunResult], title: str) -> Table:
@@ -84,6 +94,7 @@ class PlotUnavailable(RuntimeError):
 
 
 def _pyplot() -> Any:
+    """matplotlib's pyplot on the headless Agg backend."""
     try:
         import matplotlib
 
@@ -151,6 +162,75 @@ def write_plot(results: Sequence[RunResult], path: str | os.PathLike[str], title
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cluster_table(results: Sequence[Any], title: str) -> Table:
+    """One row per cluster run, grouped by total capacity; ``single`` rows are one instance
+    holding the whole capacity (the reference line)."""
+    table = Table(title=title, title_justify="left")
+    columns = (
+        "capacity/inst", "instances", "router", "hit rate", "prefill saved", "load max/mean",
+        "requests max/mean", "max queue", "preempted", "evicted", "done",
+    )  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column == "router" else "right")
+    for r in sorted(results, key=_cluster_order):
+        table.add_row(
+            f"{r.capacity_tokens:,}", str(r.instances), r.router, f"{r.hit_rate:.2%}",
+            f"{r.prefill_saved:.2%}", f"{r.load_imbalance:.3f}", f"{r.request_imbalance:.3f}",
+            str(r.max_queue), str(r.preemptions), f"{r.evicted_tokens:,}",
+            f"{r.completed}/{r.requests}",
+        )  # fmt: skip
+    return table
+
+
+def _cluster_order(r: Any) -> tuple[Any, ...]:
+    return (r.capacity_tokens * r.instances, r.policy, r.router != "single", -r.hit_rate)
+
+
+def write_cluster_csv(results: Sequence[Any], path: str | os.PathLike[str]) -> None:
+    """One row per cluster run (lists as JSON)."""
+    from .cluster import CLUSTER_FIELDS
+
+    with open(path, "w", encoding="utf-8", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(CLUSTER_FIELDS))
+        writer.writeheader()
+        for r in results:
+            row = {k: json.dumps(v) if isinstance(v, list) else v for k, v in r.as_dict().items()}
+            writer.writerow(row)
+
+
+def write_cluster_plot(results: Sequence[Any], path: str | os.PathLike[str], title: str) -> None:
+    """Hit rate (left) and load max/mean (right) by router, one bar group per instance count;
+    the one-instance run with the same total capacity is the dashed reference line."""
+    plt = _pyplot()
+    routed = [r for r in results if r.router != "single"]
+    routers = sorted({r.router for r in routed})
+    counts = sorted({r.instances for r in routed})
+    fig, (hit_ax, load_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    width = 0.8 / max(1, len(counts))
+    for k, n in enumerate(counts):
+        by = {r.router: r for r in routed if r.instances == n}
+        xs = [i + k * width for i in range(len(routers))]
+        hit_ax.bar(xs, [100 * by[x].hit_rate if x in by else 0 for x in routers], width,
+                   label=f"{n} instances")  # fmt: skip
+        load_ax.bar(xs, [by[x].load_imbalance if x in by else 0 for x in routers], width,
+                    label=f"{n} instances")  # fmt: skip
+        for single in (r for r in results if r.router == "single"):
+            if single.capacity_tokens == n * routed[0].capacity_tokens:
+                hit_ax.axhline(100 * single.hit_rate, linestyle="--", color=f"C{k}",
+                               label=f"one instance, {n}x capacity")  # fmt: skip
+    for ax, label in ((hit_ax, "token hit rate (%)"), (load_ax, "max / mean tokens served")):
+        ax.set_xticks([i + width * (len(counts) - 1) / 2 for i in range(len(routers))])
+        ax.set_xticklabels(routers, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    load_ax.axhline(1.0, color="grey", linewidth=0.8)
+    hit_ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -44,8 +44,9 @@ def block_id_of(token: int, block_size: int) -> int:
 
 
 class BlockPrompt(Sequence[int]):
-    """A prompt given as block ids. Its tokens are made on first access and kept while the
-    prompt lives (a request in flight), so a streamed trace holds tokens only for those."""
+    """A prompt given as block ids. Its tokens are made on first access, once, as a tuple, and
+    kept while the prompt lives (a request in flight), so a streamed trace holds tokens only for
+    those. A slice is a tuple slice (no list is built); a cache takes the tuple as it is."""
 
     __slots__ = ("_tokens", "block_ids", "block_size", "length")
 
@@ -53,27 +54,41 @@ class BlockPrompt(Sequence[int]):
         self.block_ids = tuple(block_ids)
         self.length = length
         self.block_size = block_size
-        self._tokens: list[int] | None = None
+        self._tokens: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return self.length
 
-    def tokens(self) -> list[int]:
-        """All tokens, as a list (made once)."""
+    def tokens(self) -> tuple[int, ...]:
+        """All tokens, as a tuple (made once).
+
+        Consecutive block ids hold consecutive tokens (block ``b`` ends where ``b + 1``
+        begins, see :func:`block_tokens`), so each run of consecutive ids is one ``range``:
+        a conversation's prompt is a few runs, not one slice per block."""
         if self._tokens is None:
-            size, n = self.block_size, self.length
             out: list[int] = []
-            for j, block_id in enumerate(self.block_ids):
-                first = block_id * size + 1  # as block_tokens(), without a list per block
-                out.extend(range(first, first + min(size, n - j * size)))
-            self._tokens = out
+            for run in self._runs():
+                out.extend(run)
+            self._tokens = tuple(out)
         return self._tokens
+
+    def _runs(self) -> Iterator[range]:
+        """One range per run of consecutive block ids (the last block may be partial)."""
+        size, ids, end = self.block_size, self.block_ids, self.length
+        j = 0
+        while j < len(ids):
+            k = j + 1
+            while k < len(ids) and ids[k] == ids[k - 1] + 1:
+                k += 1
+            first = ids[j] * size + 1
+            yield range(first, first + min(k * size, end) - j * size)
+            j = k
 
     @overload
     def __getitem__(self, index: int) -> int: ...
     @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
         if isinstance(index, slice):
             return self.tokens()[index]
         if index < 0:
@@ -91,7 +106,9 @@ class BlockPrompt(Sequence[int]):
 class TraceRequest:
     """One request of a trace. ``prompt`` is a token sequence (a :class:`BlockPrompt` for
     block-structured traces); ``output`` the answer's tokens when the trace knows them (the
-    synthetic generator does, so a next turn can reuse them), else ``None``."""
+    synthetic generator does, so a next turn can reuse them), else ``None``. ``session_id``
+    names the conversation a request belongs to when the trace knows it (the synthetic
+    generator does; routers with session affinity use it)."""
 
     index: int
     timestamp_ms: float
@@ -99,6 +116,7 @@ class TraceRequest:
     output_length: int
     extra_key: str | None = None
     output: Sequence[int] | None = None
+    session_id: str | None = None
 
     @property
     def block_ids(self) -> tuple[int, ...] | None:

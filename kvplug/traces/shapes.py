@@ -48,15 +48,22 @@ class _Ids:
 
 
 def block_request(
-    index: int, arrival: float, prompt: list[int], answer: list[int], size: int
+    index: int,
+    arrival: float,
+    prompt: list[int],
+    answer: list[int],
+    size: int,
+    session: str | None = None,
 ) -> TraceRequest:
-    """A request of whole ``size``-token blocks: ``prompt``, answered by ``answer``."""
+    """A request of whole ``size``-token blocks: ``prompt``, answered by ``answer``, in
+    ``session`` (for session-affinity routers)."""
     return TraceRequest(
         index=index,
         timestamp_ms=arrival,
         prompt=BlockPrompt(prompt, len(prompt) * size, size),
         output_length=len(answer) * size,
         output=BlockPrompt(answer, len(answer) * size, size),
+        session_id=session,
     )
 
 

@@ -144,33 +144,39 @@ def synthetic_trace(spec: SyntheticSpec | None = None) -> Iterator[TraceRequest]
 
     system = [new_blocks(spec.system_blocks) for _ in range(spec.system_prompts)]
     weights = _zipf_weights(spec.system_prompts, spec.zipf_a)
-    # (arrival ms, tie-break, history blocks, turns left); a heap yields turns in time order
-    pending: list[tuple[float, int, list[int], int]] = []
+    # (arrival ms, tie-break, history blocks, turns left, session); a heap yields turns in
+    # time order
+    pending: list[tuple[float, int, list[int], int, str]] = []
     clock_ms, serial, emitted = 0.0, 0, 0
     while emitted < spec.num_requests:
         clock_ms += rng.expovariate(spec.conversations_per_s) * 1000.0
         while pending and pending[0][0] <= clock_ms and emitted < spec.num_requests:
-            arrival, _, history, turns_left = heapq.heappop(pending)
-            request, history = _turn(spec, rng, new_blocks, emitted, arrival, history)
+            arrival, _, history, turns_left, session = heapq.heappop(pending)
+            request, history = _turn(spec, rng, new_blocks, emitted, arrival, history, session)
             emitted += 1
             yield request
             if turns_left > 1:
                 serial += 1
-                heapq.heappush(pending, (arrival + think(), serial, history, turns_left - 1))
+                heapq.heappush(
+                    pending, (arrival + think(), serial, history, turns_left - 1, session)
+                )
         if emitted >= spec.num_requests:
             break
         prompt = system[rng.choices(range(spec.system_prompts), weights)[0]]
         if rng.random() < spec.session_fraction:
             turns = rng.randint(2, max(2, spec.max_turns))
-            request, history = _turn(spec, rng, new_blocks, emitted, clock_ms, list(prompt))
+            session = f"s{emitted}"  # named after its first request
+            request, history = _turn(
+                spec, rng, new_blocks, emitted, clock_ms, list(prompt), session
+            )
             emitted += 1
             yield request
             serial += 1
-            heapq.heappush(pending, (clock_ms + think(), serial, history, turns - 1))
+            heapq.heappush(pending, (clock_ms + think(), serial, history, turns - 1, session))
         else:
             blocks = [*prompt, *new_blocks(rng.randint(*spec.one_off_blocks))]
             answer = new_blocks(rng.randint(*spec.answer_blocks))
-            yield block_request(emitted, clock_ms, blocks, answer, spec.block_size)
+            yield block_request(emitted, clock_ms, blocks, answer, spec.block_size, f"s{emitted}")
             emitted += 1
 
 
@@ -181,9 +187,13 @@ def _turn(
     index: int,
     arrival: float,
     history: list[int],
+    session: str,
 ) -> tuple[TraceRequest, list[int]]:
     """One session turn: history + user blocks, answered by new blocks; returns the request
     and the next turn's history (prompt + answer)."""
     blocks = [*history, *new_blocks(rng.randint(*spec.user_blocks))]
     answer = new_blocks(rng.randint(*spec.answer_blocks))
-    return block_request(index, arrival, blocks, answer, spec.block_size), [*blocks, *answer]
+    return block_request(index, arrival, blocks, answer, spec.block_size, session), [
+        *blocks,
+        *answer,
+    ]

@@ -41,4 +41,4 @@ def _parse(record: dict[str, Any], index: int, previous: float) -> TraceRequest:
     extra_key = record.get("extra_key")
     if extra_key is not None and not isinstance(extra_key, str):
         raise TraceError(f"extra_key must be a string, got {extra_key!r}")
-    return TraceRequest(index, float(timestamp), tokens, output_length, extra_key)
+    return TraceRequest(index, float(timestamp), tuple(tokens), output_length, extra_key)

@@ -34,7 +34,7 @@ def test_equal_block_ids_give_equal_tokens_and_ids_never_collide():
     assert {block_id_of(t, 4) for t in block_tokens(7, 4)} == {7}
     prompt = BlockPrompt([3, 9], 6, 4)
     assert list(prompt) == [13, 14, 15, 16, 37, 38]
-    assert (prompt[4], prompt[-1], prompt[:5]) == (37, 38, [13, 14, 15, 16, 37])
+    assert (prompt[4], prompt[-1], prompt[:5]) == (37, 38, (13, 14, 15, 16, 37))
     with pytest.raises(IndexError):
         prompt[6]
 

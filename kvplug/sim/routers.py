@@ -1,0 +1,377 @@
+"""Request routers for a simulated cluster, each modelled on one that people deploy.
+
+A router picks the instance a request goes to from what a real router of its kind knows: a
+counter, the instances' load, the session, what it sent where, or the KV events the instances
+publish. It never reads an instance's cache directly.
+
+=================  ==========================================================================
+``round_robin``    each instance in turn
+``least_loaded``   fewest requests in flight (then fewest KV blocks, then fewest tokens served)
+``session``        consistent hashing of the session (conversation) id onto a ring
+``prefix_aware``   SGLang router's cache-aware policy: an approximate prefix tree per worker
+``kv_aware``       NVIDIA Dynamo's KV router: overlap from the instances' KV events, cost
+                   ``overlap_weight x prefill_blocks + decode_blocks``
+``llmd``           llm-d's precise prefix-cache scorer (from KV events, device block 1.0, host
+                   block 0.8) combined with its queue and KV-utilisation scorers
+=================  ==========================================================================
+
+**Load** (:class:`InstanceLoad`) means what a router can observe of an instance at the moment
+it routes. Under ``trace`` timing that is the instance's queue: the requests waiting or running
+on it and their KV blocks. Under ``sequential`` timing every instance is idle whenever a request
+arrives (requests are served one at a time), so in-flight load is always zero; there the load
+fields hold each instance's *backlog*: how far its served work (requests, blocks) is ahead of
+the least-served instance, the queue it would have if all instances worked at the same pace.
+Routers read the same fields under both timings.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field
+
+from kvplug_hookspecs import FrozenModel
+
+from ..traces import TraceRequest
+from .kv_index import KVBlockIndex, block_keys
+from .replay import SimulationError
+
+__all__ = [
+    "ROUTERS",
+    "InstanceLoad",
+    "KVAwareOptions",
+    "KVAwareRouter",
+    "LeastLoadedRouter",
+    "LlmdOptions",
+    "LlmdRouter",
+    "PrefixAwareOptions",
+    "PrefixAwareRouter",
+    "RoundRobinRouter",
+    "Router",
+    "RouterInfo",
+    "SessionOptions",
+    "SessionRouter",
+    "make_router",
+    "session_key",
+]
+
+
+@dataclass
+class InstanceLoad:
+    """What a router observes of one instance (see the module docstring for the timings)."""
+
+    queue: int = 0  # requests waiting or running (sequential timing: backlog in requests)
+    active_blocks: int = 0  # their KV blocks, prompt and output so far (sequential: backlog)
+    prefill_blocks: int = 0  # prompt blocks still to compute (sequential: 0)
+    kv_usage: float = 0.0  # fraction of the pool not free (cached or held)
+    served_tokens: int = 0  # prompt tokens routed to it so far
+    served_requests: int = 0
+
+
+class NoOptions(FrozenModel):
+    """This router has no options."""
+
+
+class Router:
+    """Base: ``route`` returns the instance index; ``observe`` takes an instance's KV-event
+    batches when the router ``needs_events``."""
+
+    needs_events = False
+
+    def __init__(self, instances: int, block_size: int, seed: int) -> None:
+        self.instances = instances
+        self.block_size = block_size
+        self.rng = random.Random(seed)
+
+    def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
+        raise NotImplementedError
+
+    def observe(self, instance: int, batches: list[Any]) -> None:
+        """The KV-event batches ``instance`` published since the last call (oldest first)."""
+
+    def _pick_min(self, costs: Sequence[Any]) -> int:
+        """The index of the smallest cost; ties broken at random (seeded), as Dynamo and llm-d
+        break them."""
+        best = min(costs)
+        tied = [i for i, c in enumerate(costs) if c == best]
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+    def _cacheable_keys(self, tokens: Sequence[int]) -> list[int]:
+        """Chained keys of the whole blocks a cache can match (all but the last token)."""
+        return block_keys(tokens[: len(tokens) - 1], self.block_size)
+
+
+class RoundRobinRouter(Router):
+    """Each instance in turn: the baseline every load balancer offers."""
+
+    def __init__(self, instances: int, block_size: int, seed: int, options: NoOptions) -> None:
+        super().__init__(instances, block_size, seed)
+        self._next = 0
+
+    def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
+        chosen = self._next
+        self._next = (self._next + 1) % self.instances
+        return chosen
+
+
+class LeastLoadedRouter(Router):
+    """Fewest requests in flight, then fewest KV blocks in use, then fewest prompt tokens served
+    (the "least request" balancers of Envoy and vLLM's production-stack router), lowest index
+    last. Blind to caches."""
+
+    def __init__(self, instances: int, block_size: int, seed: int, options: NoOptions) -> None:
+        super().__init__(instances, block_size, seed)
+
+    def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
+        costs = [(x.queue, x.active_blocks, x.served_tokens, i) for i, x in enumerate(loads)]
+        return min(costs)[3]
+
+
+def session_key(request: TraceRequest, block_size: int, key_blocks: int) -> str:
+    """A request's session: its ``session_id`` when the trace names one; else its first
+    ``key_blocks`` block ids (Mooncake's conversation trace names no session, but a
+    conversation's turns share their first blocks: block 0 is a common system prompt, the
+    second is the conversation's own); else its first ``key_blocks`` blocks of tokens."""
+    if request.session_id is not None:
+        return request.session_id
+    if request.block_ids is not None:
+        return f"{request.extra_key}/{request.block_ids[:key_blocks]}"
+    head = tuple(request.prompt[: key_blocks * block_size])
+    return f"{request.extra_key}/{hash(head)}"
+
+
+class SessionOptions(FrozenModel):
+    """Session affinity by consistent hashing (Karger et al.; Envoy's ``RING_HASH`` and SGLang
+    router's ``consistent_hash`` policy route a session id this way).
+
+    ``virtual_nodes``: points per instance on the ring (ketama's 160, the common default).
+    ``key_blocks``: blocks of a prompt that name its session when the trace names none.
+    """
+
+    virtual_nodes: int = Field(160, ge=1)
+    key_blocks: int = Field(2, ge=1)
+
+
+def _ring_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class SessionRouter(Router):
+    """Every request of a session to the instance its id hashes to on a consistent-hash ring
+    (stable hashes: the same in every process and run). Blind to load."""
+
+    def __init__(self, instances: int, block_size: int, seed: int, options: SessionOptions) -> None:
+        super().__init__(instances, block_size, seed)
+        self.options = options
+        points = sorted(
+            (_ring_hash(f"instance-{i}#{v}"), i)
+            for i in range(instances)
+            for v in range(options.virtual_nodes)
+        )
+        self._points = [p for p, _ in points]
+        self._owners = [i for _, i in points]
+
+    def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
+        h = _ring_hash(session_key(request, self.block_size, self.options.key_blocks))
+        at = bisect.bisect_left(self._points, h) % len(self._points)
+        return self._owners[at]
+
+
+class PrefixAwareOptions(FrozenModel):
+    """SGLang router's cache-aware policy (``sgl-router --policy cache_aware``), its defaults.
+
+    ``cache_threshold``: the prefix match rate (matched / prompt tokens) above which the best
+    matching worker is chosen; below it, the worker with the smallest tree. The system counts
+    as imbalanced when ``max_load - min_load > balance_abs_threshold`` and ``max_load >
+    min_load * balance_rel_threshold`` (load: requests in flight); then the least loaded worker
+    is chosen whatever the match. ``max_tree_tokens``: each worker's approximate tree is cut
+    back, least recently used first, past this size (sgl-router's ``max_tree_size``, counted in
+    characters there, in tokens here).
+    """
+
+    cache_threshold: float = Field(0.5, ge=0, le=1)
+    balance_abs_threshold: int = Field(32, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)
+    max_tree_tokens: int = Field(2**24, ge=1)
+
+
+class PrefixAwareRouter(Router):
+    """SGLang-router-style cache-aware routing: the router remembers, per worker, the prompts it
+    sent there (an approximate prefix tree, here block-granular), never what the worker's cache
+    really holds; see :class:`PrefixAwareOptions` for the decision."""
+
+    def __init__(
+        self, instances: int, block_size: int, seed: int, options: PrefixAwareOptions
+    ) -> None:
+        super().__init__(instances, block_size, seed)
+        self.options = options
+        self._trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(instances)]
+
+    def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
+        o = self.options
+        keys = block_keys(tokens, self.block_size)
+        queue = [x.queue for x in loads]
+        hi, lo = max(queue), min(queue)
+        if hi - lo > o.balance_abs_threshold and hi > lo * o.balance_rel_threshold:
+            chosen = queue.index(lo)
+        else:
+            matched = [self._matched(i, keys) for i in range(self.instances)]
+            best = max(matched)
+            rate = best * self.block_size / len(tokens)
+            if rate > o.cache_threshold:
+                chosen = matched.index(best)
+            else:
+                sizes = [len(tree) for tree in self._trees]
+                chosen = sizes.index(min(sizes))
+        self._insert(chosen, keys)
+        return chosen
+
+    def _matched(self, instance: int, keys: list[int]) -> int:
+        tree, n = self._trees[instance], 0
+        for key in keys:
+            if key not in tree:
+                break
+            n += 1
+        return n
+
+    def _insert(self, instance: int, keys: list[int]) -> None:
+        tree = self._trees[instance]
+        for key in keys:
+            tree[key] = None
+            tree.move_to_end(key)
+        limit = max(1, self.options.max_tree_tokens // self.block_size)
+        while len(tree) > limit:
+            tree.popitem(last=False)
+
+
+class _EventRouter(Router):
+    """A router that reads the instances' ``KVEventBatch``es into a :class:`KVBlockIndex`."""
+
+    needs_events = True
+
+    def __init__(self, instances: int, block_size: int, seed: int, options: Any) -> None:
+        super().__init__(instances, block_size, seed)
+        self.options = options
+        self.index = KVBlockIndex(instances)
+
+    def observe(self, instance: int, batches: list[Any]) -> None:
+        self.index.apply(instance, batches)
+
+
+class KVAwareOptions(FrozenModel):
+    """NVIDIA Dynamo's KV router (``--router-mode kv``), its defaults.
+
+    Each worker's cost is ``overlap_weight x prefill_blocks + decode_blocks``: prefill blocks
+    are the request's blocks the worker does not hold (overlap read from the worker's KV
+    events) plus the prompt blocks it still has to prefill; decode blocks are the KV blocks of
+    its active requests plus this one's. The cheapest wins; ties are broken at random
+    (Dynamo's ``router_temperature`` 0). ``overlap_weight``: Dynamo's
+    ``kv_overlap_score_weight`` (1.0: a cached block is worth one block of load).
+    """
+
+    overlap_weight: float = Field(1.0, ge=0)
+
+
+class KVAwareRouter(_EventRouter):
+    """Dynamo-style KV-aware routing from the instances' published ``KVEventBatch``es."""
+
+    options: KVAwareOptions
+
+    def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
+        keys = self._cacheable_keys(tokens)
+        blocks = -(-len(tokens) // self.block_size)
+        weight = self.options.overlap_weight
+        costs = []
+        for i, load in enumerate(loads):
+            overlap = len(self.index.prefix(i, keys))
+            prefill = blocks - overlap + load.prefill_blocks
+            decode = load.active_blocks + blocks
+            costs.append(weight * prefill + decode)
+        return self._pick_min(costs)
+
+
+class LlmdOptions(FrozenModel):
+    """llm-d's inference scheduler with its precise prefix-cache scorer.
+
+    ``prefix_weight``, ``queue_weight``, ``kv_usage_weight``: the weights of the
+    ``precise-prefix-cache-scorer``, ``queue-scorer`` and ``kv-cache-utilization-scorer`` in
+    the scheduling profile (llm-d's example profiles weight the prefix scorer above the load
+    scorers, 3 : 2 : 2). The prefix score is the longest consecutive run of the prompt's blocks
+    an instance holds (from its KV events), each block weighing ``device_weight`` on the GPU
+    and ``host_weight`` on the CPU or storage (its ``medium``), divided by the prompt's blocks;
+    the queue score is ``(max - q) / (max - min)`` over the instances (1 when equal); the KV
+    score ``1 - usage``. The highest weighted sum wins; ties at random.
+    """
+
+    prefix_weight: float = Field(3.0, ge=0)
+    queue_weight: float = Field(2.0, ge=0)
+    kv_usage_weight: float = Field(2.0, ge=0)
+    device_weight: float = Field(1.0, ge=0)
+    host_weight: float = Field(0.8, ge=0)
+
+
+class LlmdRouter(_EventRouter):
+    """llm-d-style precise prefix-cache scoring from the instances' ``KVEventBatch``es."""
+
+    options: LlmdOptions
+
+    def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
+        o = self.options
+        keys = self._cacheable_keys(tokens)
+        queue = [x.queue for x in loads]
+        hi, lo = max(queue), min(queue)
+        scores = []
+        for i, load in enumerate(loads):
+            media = self.index.prefix(i, keys)
+            cached = sum(o.device_weight if m in (None, "GPU") else o.host_weight for m in media)
+            prefix = cached / len(keys) if keys else 0.0
+            queue_score = 1.0 if hi == lo else (hi - load.queue) / (hi - lo)
+            scores.append(
+                -(
+                    o.prefix_weight * prefix
+                    + o.queue_weight * queue_score
+                    + o.kv_usage_weight * (1.0 - load.kv_usage)
+                )
+            )
+        return self._pick_min(scores)
+
+
+@dataclass(frozen=True)
+class RouterInfo:
+    """A router by name: how to make it, its options, one line on what it models."""
+
+    name: str
+    factory: Callable[..., Router]
+    options: type[FrozenModel]
+    description: str
+
+
+ROUTERS: dict[str, RouterInfo] = {
+    info.name: info
+    for info in (
+        RouterInfo("round_robin", RoundRobinRouter, NoOptions, "each instance in turn"),
+        RouterInfo("least_loaded", LeastLoadedRouter, NoOptions, "fewest requests in flight"),
+        RouterInfo("session", SessionRouter, SessionOptions, "consistent hash of the session"),
+        RouterInfo(
+            "prefix_aware", PrefixAwareRouter, PrefixAwareOptions, "SGLang router cache_aware"
+        ),
+        RouterInfo("kv_aware", KVAwareRouter, KVAwareOptions, "Dynamo KV router (KV events)"),
+        RouterInfo("llmd", LlmdRouter, LlmdOptions, "llm-d precise prefix scorer (KV events)"),
+    )
+}
+
+
+def make_router(
+    name: str, instances: int, block_size: int, seed: int, options: dict[str, Any] | None = None
+) -> Router:
+    """A router by name; unknown names list the valid ones, bad options name the field."""
+    info = ROUTERS.get(name)
+    if info is None:
+        raise SimulationError(f"unknown router {name!r}; valid: {', '.join(ROUTERS)}")
+    return info.factory(instances, block_size, seed, info.options(**(options or {})))

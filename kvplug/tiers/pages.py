@@ -86,8 +86,18 @@ def encode_page(namespace_id: str, page: PageData) -> bytes:
 
 
 def decode_page(namespace_id: str, data: bytes | memoryview) -> PageData:
-    """The page ``data`` holds; :class:`CorruptPageError` for anything wrong with it."""
-    view = memoryview(data)
+    """The page ``data`` holds; :class:`CorruptPageError` for anything wrong with it (a
+    damaged header field that no check names, e.g. a dtype name that is not text or a zero in
+    the shape, is reported as undecodable rather than escaping as another error)."""
+    try:
+        return _decode(namespace_id, memoryview(data))
+    except CorruptPageError:
+        raise
+    except (ValueError, RuntimeError, TypeError, OverflowError, struct.error) as exc:
+        raise CorruptPageError(f"undecodable page: {exc}") from exc
+
+
+def _decode(namespace_id: str, view: memoryview) -> PageData:
     if len(view) < _HEAD.size + _CRC.size:
         raise CorruptPageError(f"truncated page: {len(view)} bytes")
     magic, version, ns_len, key_len, parent_len, num_tokens, dtype_len, *shape = _HEAD.unpack(

@@ -105,7 +105,7 @@ def test_every_bundled_config_validates(run):
     paths = sorted(str(p) for p in EXAMPLES.iterdir())
     result = run("config", "validate", *paths)
     assert result.exit_code == 0, result.stderr
-    assert result.stdout.count(": valid (") == len(paths) == 4
+    assert result.stdout.count(": valid (") == len(paths) == 5
 
 
 def test_unknown_policy_exits_2_with_the_valid_names(run, tmp_path):

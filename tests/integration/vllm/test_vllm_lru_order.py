@@ -190,7 +190,9 @@ class SideBySidePools(RuleBasedStateMachine):
             return found
 
         hit_ids = self.each(hits)
-        if num_blocks - len(hit_ids) > self.pools[0].get_num_free_blocks():
+        stock = self.pools[0]
+        free_hits = sum(1 for b in hit_ids if stock.blocks[b].ref_cnt == 0)  # touch takes them
+        if num_blocks - len(hit_ids) + free_hits > stock.get_num_free_blocks():
             return
 
         def allocate(pool: Any) -> list[int]:

@@ -42,8 +42,12 @@ are still cached here, and evicted content (whole candidates and cut tails) it s
 holds as many tokens as the cache and follows the tree. A reuse here of what it evicted is
 evidence for the ranking in use; an insert re-covering what it still holds is evidence for the
 shadow. LRU is in use at the start; the rankings swap when the shadow leads by
-``guard_confidence`` standard deviations of the decayed evidence, so the policy falls back to
-LRU where the learned classes mislead (or the workload flips) and returns when they help.
+``guard_confidence`` standard deviations of the decayed evidence (LRU takes it back at
+``guard_fallback``), so the policy falls back to LRU where the learned classes mislead (or the
+workload flips) and returns when they help. A regret budget bounds what the decayed test can
+miss (few events at a large capacity): once the learned ranking's estimated loss over the run
+exceeds ``guard_budget`` of the tokens seen, LRU takes the cache back at once (see
+:mod:`.shadow`).
 
 Measured (``benchmarks/bench_policies.py``, Mooncake conversation trace, page 1): 25.1 / 20.4 /
 7.4 % of the LRU-Belady gap closed at 1 / 3 / 5 % capacity; on five synthetic workloads up to

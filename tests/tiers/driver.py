@@ -134,7 +134,9 @@ class Driver:
                 self.conserved_with(new_held=0)
                 slots = allocator.alloc(new)
                 assert slots is not None, "the device pool is too small for one request"
-                self.pool.write_slots(slots, self.store(expected_kv(ids, self.dtype))[:, :, match.prefix_len :])
+                self.pool.write_slots(
+                    slots, self.store(expected_kv(ids, self.dtype))[:, :, match.prefix_len :]
+                )
                 cache.insert(CacheKey(ids), torch.cat((match.device_indices, slots)))
         finally:
             cache.dec_lock_ref(node)

@@ -13,7 +13,8 @@ from .faults import read_only
 def redis_cfg(url: str, **options):
     return config(
         [{"name": "redis", "options": {"url": url, "timeout_s": 0.2, **options}}],
-        page_size=4, capacity=16,
+        page_size=4,
+        capacity=16,
     )
 
 
@@ -53,7 +54,13 @@ def test_corrupt_values_are_discarded_and_recomputed(redis_server):
     m = d.request(a)
     assert m.prefix_len == 0  # the first page failed its checksum: a recomputes
     assert d.stack.storage.stats.corrupt_pages == 1
-    assert client.exists(names[0]) + client.exists(names[1]) + client.exists(names[2]) + client.exists(names[3]) <= 3
+    assert (
+        client.exists(names[0])
+        + client.exists(names[1])
+        + client.exists(names[2])
+        + client.exists(names[3])
+        <= 3
+    )
 
 
 def test_truncated_and_wrong_namespace_values(redis_server):
@@ -63,8 +70,12 @@ def test_truncated_and_wrong_namespace_values(redis_server):
     d.request(b)
     client = redis_server.client()
     other = Driver.build(
-        config([{"name": "redis", "options": {"url": redis_server.url}}], page_size=4,
-               capacity=16, model_id="other-model")
+        config(
+            [{"name": "redis", "options": {"url": redis_server.url}}],
+            page_size=4,
+            capacity=16,
+            model_id="other-model",
+        )
     )
     ours = sorted(client.keys("kvplug:*"))
     for name in ours:
@@ -76,8 +87,9 @@ def test_truncated_and_wrong_namespace_values(redis_server):
 
 def test_read_only_disk_requests_complete(tmp_path):
     path = tmp_path / "disk"
-    d = Driver.build(config([{"name": "disk", "options": {"path": str(path)}}],
-                            page_size=4, capacity=16))
+    d = Driver.build(
+        config([{"name": "disk", "options": {"path": str(path)}}], page_size=4, capacity=16)
+    )
     plain = Driver.build(config([], page_size=4, capacity=16))
     a, b, c = prompts(3, 16, seed=14)
     d.request(a)
@@ -95,7 +107,9 @@ def test_slow_server_costs_at_most_the_timeout(redis_server):
     a, b = prompts(2, 16, seed=15)
     d.request(a)
     d.request(b)
-    sleeper = threading.Thread(target=lambda: redis_server.client().execute_command("DEBUG", "SLEEP", "2"))
+    sleeper = threading.Thread(
+        target=lambda: redis_server.client().execute_command("DEBUG", "SLEEP", "2")
+    )
     sleeper.start()
     time.sleep(0.1)
     start = time.monotonic()

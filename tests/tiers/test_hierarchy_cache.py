@@ -34,7 +34,10 @@ def tier_kind(request):
 def test_loaded_kv_equals_recompute(cache, page, allocator, tier_kind, tmp_path, request):
     url = request.getfixturevalue("redis_url") if tier_kind == "redis" else None
     cfg = config(
-        tier_list(tier_kind, tmp_path, url), cache=cache, page_size=page, capacity=32,
+        tier_list(tier_kind, tmp_path, url),
+        cache=cache,
+        page_size=page,
+        capacity=32,
         allocator=allocator,
     )
     tiered = Driver.build(cfg)
@@ -64,7 +67,9 @@ def test_exact_per_tier_hits_through_a_cascade(cache, tmp_path):
             {"name": "host", "options": {"capacity_tokens": 8}},
             {"name": "disk", "options": {"path": str(tmp_path)}},
         ],
-        cache=cache, page_size=4, capacity=8,
+        cache=cache,
+        page_size=4,
+        capacity=8,
     )
     d = Driver.build(cfg)
     a, b, c = prompts(3, 8, seed=5)
@@ -85,8 +90,12 @@ def test_exact_per_tier_hits_through_a_cascade(cache, tmp_path):
 @pytest.mark.parametrize("page", [1, 4])
 def test_shortfall_contract_unchanged(cache, page):
     d = Driver.build(
-        config([{"name": "host", "options": {"capacity_tokens": 1024}}], cache=cache,
-               page_size=page, capacity=32)
+        config(
+            [{"name": "host", "options": {"capacity_tokens": 1024}}],
+            cache=cache,
+            page_size=page,
+            capacity=32,
+        )
     )
     d.request(prompts(1, 24, seed=1)[0])
     # 8 free, a request of 8 + 2*page + 1 needs ceil((2*page + 1) / page) pages more
@@ -102,22 +111,34 @@ def test_shortfall_contract_unchanged(cache, page):
 @pytest.mark.parametrize("cache", CACHES)
 def test_probe_moves_nothing(cache):
     d = Driver.build(
-        config([{"name": "host", "options": {"capacity_tokens": 1024}}], cache=cache,
-               page_size=4, capacity=16)
+        config(
+            [{"name": "host", "options": {"capacity_tokens": 1024}}],
+            cache=cache,
+            page_size=4,
+            capacity=16,
+        )
     )
     a, b = prompts(2, 16, seed=3)
     d.request(a)
     d.request(b)  # a is now only in the host
     storage = d.stack.storage
     before = (
-        storage.tier_stats(), dict(storage.stats.hit_tokens), d.stack.allocator.available_size(),
-        d.cache.evictable_size(), d.cache.stats.hit_tokens, d.cache.all_values_flatten().tolist(),
+        storage.tier_stats(),
+        dict(storage.stats.hit_tokens),
+        d.stack.allocator.available_size(),
+        d.cache.evictable_size(),
+        d.cache.stats.hit_tokens,
+        d.cache.all_values_flatten().tolist(),
     )
     probe = d.cache.match_prefix(CacheKey(tuple(a)), record_hit=False)
     assert probe.prefix_len == 0 and probe.tier_tokens == (("host", 16),)
     after = (
-        storage.tier_stats(), dict(storage.stats.hit_tokens), d.stack.allocator.available_size(),
-        d.cache.evictable_size(), d.cache.stats.hit_tokens, d.cache.all_values_flatten().tolist(),
+        storage.tier_stats(),
+        dict(storage.stats.hit_tokens),
+        d.stack.allocator.available_size(),
+        d.cache.evictable_size(),
+        d.cache.stats.hit_tokens,
+        d.cache.all_values_flatten().tolist(),
     )
     assert after == before
     assert storage.stats.located_tokens["host"] == 16
@@ -128,7 +149,10 @@ def test_probe_moves_nothing(cache):
 def test_cost_model_recomputes_when_loading_is_slower(cache):
     cfg = config(
         [{"name": "host", "options": {"capacity_tokens": 1024, "latency_s": 1.0}}],
-        cache=cache, page_size=4, capacity=16, cost={"prefill_tokens_per_s": 1e9},
+        cache=cache,
+        page_size=4,
+        capacity=16,
+        cost={"prefill_tokens_per_s": 1e9},
     )
     d = Driver.build(cfg)
     a, b = prompts(2, 16, seed=4)
@@ -141,8 +165,13 @@ def test_cost_model_recomputes_when_loading_is_slower(cache):
 @pytest.mark.parametrize("cache", CACHES)
 def test_write_through_stores_on_insert(cache):
     d = Driver.build(
-        config([{"name": "host", "options": {"capacity_tokens": 1024}}], cache=cache,
-               page_size=4, capacity=32, write_policy="write_through")
+        config(
+            [{"name": "host", "options": {"capacity_tokens": 1024}}],
+            cache=cache,
+            page_size=4,
+            capacity=32,
+            write_policy="write_through",
+        )
     )
     d.request(prompts(1, 16, seed=6)[0])
     assert d.stack.storage.tier_stats()[0]["pages"] == 4
@@ -159,6 +188,12 @@ def test_two_engines_share_prefixes_through_one_server(redis_url):
     first.request(b)  # a demoted to the server
     m = second.request(a)  # another engine: a from the server, K/V checked in the driver
     assert m.prefix_len == 16 and m.tier_tokens == (("redis", 16),)
-    other = Driver.build(config([{"name": "redis", "options": {"url": redis_url}}],
-                                page_size=4, capacity=16, model_id="another-model"))
+    other = Driver.build(
+        config(
+            [{"name": "redis", "options": {"url": redis_url}}],
+            page_size=4,
+            capacity=16,
+            model_id="another-model",
+        )
+    )
     assert other.request(a).prefix_len == 0

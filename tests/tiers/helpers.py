@@ -54,7 +54,8 @@ def kv_page(seed: int, page_size: int = 1, dtype: torch.dtype = torch.float16) -
 def chain(
     n: int, page_size: int = 1, seed: int = 0, ns: TierNamespace | None = None, kv: bool = True
 ) -> list[PageData]:
-    """``n`` consecutive pages of one prefix (keys chained like the caches' digests), checksummed."""
+    """``n`` consecutive pages of one prefix
+    (keys chained like the digests of the caches), checksummed."""
     ns = ns or namespace(page_size)
     pages, parent = [], None
     for j in range(n):

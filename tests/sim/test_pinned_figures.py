@@ -52,6 +52,11 @@ SYNTHETIC_CHAT = [
 def _figures(result):
     figures = result.as_dict()
     del figures["wall_seconds"], figures["cache_us_per_request"]  # times, not results
+    for tier_field in (  # added later (storage tiers): empty or derived without tiers
+        "tiers", "device_hit_tokens", "tier_hit_tokens", "transfer_bytes",
+        "demotions_dropped", "prefill_seconds", "prefill_seconds_saved",
+    ):  # fmt: skip
+        figures.pop(tier_field, None)
     return figures
 
 

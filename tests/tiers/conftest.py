@@ -64,6 +64,7 @@ class RedisServer:
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", str(self.dir),
+                "--enable-debug-command", "local",  # DEBUG SLEEP: a slow server
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -16,7 +16,8 @@ NOBODY = 65534
 @contextlib.contextmanager
 def read_only(path: Path) -> Iterator[None]:
     """``path`` (a directory) cannot be written while inside: mode 0555, and as root (whom
-    modes don't stop) the process's effective uid and gid are ``nobody`` meanwhile (every thread's)."""
+    modes don't stop) the process's effective uid and gid are ``nobody``
+    meanwhile (every thread's)."""
     mode = path.stat().st_mode
     path.chmod(0o555)
     root = os.geteuid() == 0

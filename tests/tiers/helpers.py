@@ -14,15 +14,15 @@ from ..cache_helpers import POLICIES
 
 
 def namespace(page_size: int = 1, model_id: str = "test", **fields: Any) -> TierNamespace:
-    values: dict[str, Any] = dict(
-        model_id=model_id,
-        num_layers=2,
-        kv_heads=2,
-        head_dim=4,
-        dtype="float16",
-        page_size=page_size,
-        hash_function="kvplug-sha256",
-    )
+    values: dict[str, Any] = {
+        "model_id": model_id,
+        "num_layers": 2,
+        "kv_heads": 2,
+        "head_dim": 4,
+        "dtype": "float16",
+        "page_size": page_size,
+        "hash_function": "kvplug-sha256",
+    }
     values.update(fields)
     return TierNamespace(**values)
 
@@ -54,7 +54,8 @@ def kv_page(seed: int, page_size: int = 1, dtype: torch.dtype = torch.float16) -
 def chain(
     n: int, page_size: int = 1, seed: int = 0, ns: TierNamespace | None = None, kv: bool = True
 ) -> list[PageData]:
-    """``n`` consecutive pages of one prefix (keys chained like the caches' digests), checksummed."""
+    """``n`` consecutive pages of one prefix
+    (keys chained like the digests of the caches), checksummed."""
     ns = ns or namespace(page_size)
     pages, parent = [], None
     for j in range(n):
@@ -72,9 +73,14 @@ def same_page(a: PageData | None, b: PageData) -> bool:
     if a is None:
         return False
     same_kv = (a.kv is None and b.kv is None) or (
-        a.kv is not None and b.kv is not None and a.kv.dtype == b.kv.dtype
+        a.kv is not None
+        and b.kv is not None
+        and a.kv.dtype == b.kv.dtype
         and torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8))
     )
     return (a.key, a.token_ids, a.parent, a.checksum) == (
-        b.key, b.token_ids, b.parent, b.checksum
+        b.key,
+        b.token_ids,
+        b.parent,
+        b.checksum,
     ) and same_kv

@@ -184,9 +184,8 @@ def test_read_only_directory_put_fails_loads_still_work(tmp_path):
 def test_full_disk_put_fails_nothing_partial_is_visible(tmp_path):
     tier = disk(tmp_path)
     pages = chain(2, 4, ns=NS)
-    with disk_full(page_bytes() // 3):
-        with pytest.raises(OSError):
-            tier.put(pages)
+    with disk_full(page_bytes() // 3), pytest.raises(OSError):
+        tier.put(pages)
     assert tier.contains(keys(pages)) == 0 and tier.stats().pages == 0
     assert files(tmp_path) == []
     tier.put(pages)
@@ -225,7 +224,7 @@ def test_concurrent_puts_and_gets(tmp_path):
                 tier.put(pages)
                 got = tier.get(keys(pages))
                 assert all(same_page(g, p) for g, p in zip(got, pages, strict=True))
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]

@@ -35,7 +35,13 @@ def test_is_a_storage_tier_and_round_trips_pages():
     got = tier.get(keys(pages))
     assert all(same_page(g, p) for g, p in zip(got, pages, strict=True))
     s = tier.stats()
-    assert (s.pages, s.tokens, s.capacity_tokens, s.stored_pages, s.loaded_pages) == (3, 12, 16, 3, 3)
+    assert (s.pages, s.tokens, s.capacity_tokens, s.stored_pages, s.loaded_pages) == (
+        3,
+        12,
+        16,
+        3,
+        3,
+    )
     assert s.bytes == 3 * 32 and s.medium == "CPU"
 
 
@@ -153,7 +159,7 @@ def test_concurrent_put_get_from_threads_exact_counts(capacity):
                 hits[t] += sum(g is not None for g in got)
                 for g, p in zip(got, pages, strict=True):
                     assert g is None or same_page(g, p)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
@@ -171,6 +177,11 @@ def test_concurrent_put_get_from_threads_exact_counts(capacity):
     if capacity >= total:
         assert sum(hits) == total
     # what is held and what was pushed out are exactly the stored pages, each once
-    held = {p.key for t in range(THREADS) for c in range(CHAINS)
-            for p in chain(LENGTH, seed=t * CHAINS + c + 1) if tier.contains([p.key])}
+    held = {
+        p.key
+        for t in range(THREADS)
+        for c in range(CHAINS)
+        for p in chain(LENGTH, seed=t * CHAINS + c + 1)
+        if tier.contains([p.key])
+    }
     assert len(held) == s.pages and not held & set(out)

@@ -17,9 +17,15 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, tor
 
 
 def _page(dtype: torch.dtype = torch.float16, page_size: int = 4) -> PageData:
-    kv = kv_page(7, page_size, torch.float32).to(dtype) if dtype != torch.uint8 else (
-        torch.arange(2 * 2 * page_size * 2 * 4, dtype=torch.int64).remainder(256).to(torch.uint8)
-        .view(2, 2, page_size, 2, 4)
+    kv = (
+        kv_page(7, page_size, torch.float32).to(dtype)
+        if dtype != torch.uint8
+        else (
+            torch.arange(2 * 2 * page_size * 2 * 4, dtype=torch.int64)
+            .remainder(256)
+            .to(torch.uint8)
+            .view(2, 2, page_size, 2, 4)
+        )
     )
     page = PageData(b"k" * 32, tuple(range(10, 10 + page_size)), b"p" * 32, kv)
     from kvplug.tiers.pages import page_checksum

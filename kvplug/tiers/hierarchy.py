@@ -153,6 +153,7 @@ class TierHierarchy:
         self._observed = observed
         self._events: deque[TierEvent] = deque()
         self._queue: queue.Queue[_Job | None] | None = None
+        self._queued_pages = 0  # pages demoted and not yet stored (<= config.queue_pages)
         self._worker: threading.Thread | None = None
         self._closed = False
         if pool is not None:
@@ -167,7 +168,7 @@ class TierHierarchy:
         else:
             self._kv_shape = self._kv_dtype = None
         if config.background:
-            self._queue = queue.Queue(maxsize=max(1, config.queue_pages))
+            self._queue = queue.Queue()  # bounded in pages by _queued_pages, not in jobs
             self._worker = threading.Thread(
                 target=self._run, name="kvplug-tier-demotion", daemon=True
             )
@@ -389,21 +390,30 @@ class TierHierarchy:
         never waits: a full queue or no tier in use drops the pages and counts them."""
         if not keys:
             return
+        counted = False
         try:
             if self._closed or not any(self._usable(i) for i in range(len(self.tiers))):
                 self.stats.dropped_pages += len(keys)
                 return
+            if self._queue is not None:
+                with self._lock:
+                    if self._queued_pages + len(keys) > self.config.queue_pages:
+                        self.stats.dropped_pages += len(keys)  # full: dropped, never waited for
+                        return
+                    self._queued_pages += len(keys)
+                    counted = True
             kv = self._pool.read_slots(slots) if self._pool is not None else None
             job: _Job = (keys, tokens, parents, kv)
             if self._queue is None:
                 self._store(job)
                 return
             self._queue.put_nowait(job)
-        except queue.Full:
-            self.stats.dropped_pages += len(keys)
         except Exception:  # a pool copy that failed: the pages are recomputed later
             log.exception("storage hierarchy: demotion of %d pages failed", len(keys))
             self.stats.dropped_pages += len(keys)
+            if counted:
+                with self._lock:
+                    self._queued_pages -= len(keys)
 
     def _pages_of(self, job: _Job) -> list[PageData]:
         """Host pages with checksums, from a demotion's device copy."""
@@ -492,6 +502,8 @@ class TierHierarchy:
                 if job is None:
                     return
                 self._store(job)
+                with self._lock:
+                    self._queued_pages -= len(job[0])
             finally:
                 self._queue.task_done()
 

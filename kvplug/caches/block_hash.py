@@ -272,10 +272,7 @@ class BlockHashCache(BuiltFromContext):
         if not runs:
             return matched, ()
         if not record_hit:
-            found = tuple((storage.tiers[i].name, count * page) for i, count in runs)
-            for name, tokens in found:
-                storage.stats.located_tokens[name] += tokens
-            return matched, found
+            return matched, storage.reach(runs)
         handle = matched[-1] if matched else None
         if handle is not None:
             self.inc_lock_ref(handle)

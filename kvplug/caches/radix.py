@@ -487,10 +487,7 @@ class RadixCache(BuiltFromContext):
         if not runs:
             return node, pos, ()
         if not record_hit:
-            found = tuple((storage.tiers[i].name, count * page) for i, count in runs)
-            for name, tokens in found:
-                storage.stats.located_tokens[name] += tokens
-            return node, pos, found
+            return node, pos, storage.reach(runs)
         locked = node is not self.root
         if locked:
             self.inc_lock_ref(node)

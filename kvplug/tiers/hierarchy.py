@@ -258,6 +258,14 @@ class TierHierarchy:
             batch *= 4
         return keys[:pos], runs
 
+    def reach(self, runs: list[tuple[int, int]]) -> tuple[tuple[str, int], ...]:
+        """A probe's answer: ``(tier name, tokens)`` per located run (counted as located,
+        nothing moved)."""
+        found = tuple((self.tiers[i].name, count * self.page_size) for i, count in runs)
+        for name, tokens in found:
+            self.stats.located_tokens[name] += tokens
+        return found
+
     def plan(self, runs: list[tuple[int, int]], depth: int) -> list[tuple[int, int]]:
         """The leading runs worth loading at ``depth`` tokens (load time below prefill time),
         or none when they hold fewer than ``min_load_pages`` pages."""

@@ -130,15 +130,18 @@ def wait_sent(publisher: Any, timeout: float = 30.0) -> None:
 
 def probe(stack: Any) -> None:
     """Two batches that leave the cache as it was: store one page (outside every random key's
-    alphabet), then evict everything evictable."""
-    from kvplug_hookspecs import CacheKey
+    alphabet), then evict everything evictable. Every call must publish (the first batches go
+    to a subscriber that is not connected yet), so the second step evicts by size, not by
+    shortfall: an SWA stack's shortfall for "free + evictable" is not everything evictable."""
+    from kvplug_hookspecs import CacheKey, EvictParams
 
     page = stack.config.pool.page_size
     stack.evict_for(page)
     stack.prefix_cache.insert(CacheKey([99] * page), stack.allocator.alloc(page))
     stack.end_step()
-    stack.evict_for(stack.allocator.available_size() + stack.prefix_cache.evictable_size())
+    stack.prefix_cache.evict(EvictParams(num_tokens=stack.prefix_cache.evictable_size()))
     stack.end_step()
+    assert stack.prefix_cache.evictable_size() == 0, "the probe left a page cached"
 
 
 @contextmanager

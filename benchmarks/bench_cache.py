@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,6 +52,7 @@ from kvplug_hookspecs import EvictParams, EvictResult
 POLICIES = {r.name: r for r in kvplug_eviction_policies()}
 SYSTEM_PROMPTS = 8
 SYSTEM_TOKENS = 512
+BACKGROUND = True  # the demotion worker (False: demote on the engine thread, to profile)
 SUFFIX_TOKENS = 64  # a request's unique part and each prefilled leaf's size: N stays ~constant
 
 
@@ -112,23 +115,38 @@ def serve(
     return result.num_tokens if result else 0
 
 
-def shared_prefix_keys(cache: Any, rng: random.Random, n: int) -> list[list[int]]:
-    return [rng.choice(cache.systems) + random_tokens(rng, SUFFIX_TOKENS) for _ in range(n)]
+def segment(rng: random.Random, n: int, fresh: Iterator[int] | None) -> list[int]:
+    """``n`` random tokens; with ``fresh``, the first is a never-seen id (no prefix of the
+    segment was ever cached, on the device or in a tier)."""
+    tokens = random_tokens(rng, n)
+    if fresh is not None:
+        tokens[0] = next(fresh)
+    return tokens
+
+
+def shared_prefix_keys(
+    cache: Any, rng: random.Random, n: int, fresh: Iterator[int] | None = None
+) -> list[list[int]]:
+    return [rng.choice(cache.systems) + segment(rng, SUFFIX_TOKENS, fresh) for _ in range(n)]
 
 
 def multiturn_keys(
-    cache: Any, rng: random.Random, n: int, conversations: int = 16
+    cache: Any,
+    rng: random.Random,
+    n: int,
+    fresh: Iterator[int] | None = None,
+    conversations: int = 16,
 ) -> list[list[int]]:
     """Interleaved conversations: a turn = the previous turn + a 32-token answer + a 32-token
     message."""
-    histories = [rng.choice(cache.systems) + random_tokens(rng, 32) for _ in range(conversations)]
+    histories = [rng.choice(cache.systems) + segment(rng, 32, fresh) for _ in range(conversations)]
     keys = []
     for _ in range(n):
         c = rng.randrange(conversations)
         keys.append(histories[c])
-        histories[c] = histories[c] + random_tokens(rng, 64)
+        histories[c] = histories[c] + segment(rng, 64, fresh)
         if len(histories[c]) > SYSTEM_TOKENS + 1024:  # a new conversation
-            histories[c] = rng.choice(cache.systems) + random_tokens(rng, 32)
+            histories[c] = rng.choice(cache.systems) + segment(rng, 32, fresh)
     return keys
 
 
@@ -293,7 +311,7 @@ def with_host_tier(cache: RadixCache, allocator: StandardAllocator) -> RadixCach
     def storage(hash_function: str) -> TierHierarchy:
         tier = HostTier(context, HostTierOptions(capacity_tokens=allocator.size * 10))
         return TierHierarchy(
-            [tier], StorageConfig(), namespace, pool=None, page_size=1, kv_bytes_per_token=256
+            [tier], StorageConfig(background=BACKGROUND), namespace, pool=None, page_size=1, kv_bytes_per_token=256
         )
 
     return RadixCache(allocator, cache.policy.__class__, storage=storage)
@@ -324,7 +342,7 @@ def compare_tiers(sizes: tuple[int, ...], requests: int, gc_on: bool) -> None:
             tiered.systems = systems  # type: ignore[attr-defined]
             stacks = [plain, (tiered, tiered_alloc)]
             maker = shared_prefix_keys if workload == "shared" else multiturn_keys
-            keys = maker(plain[0], random.Random(1), requests)
+            keys = maker(plain[0], random.Random(1), requests, itertools.count(40_000))
             times = [{"match": [], "evict": [], "insert": []} for _ in stacks]
             gc.collect()
             if not gc_on:

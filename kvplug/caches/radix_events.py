@@ -124,6 +124,12 @@ class RadixBlockHashes:
         """Report an eviction: ``leaves`` were unlinked (in that order), then ``cut`` (when not
         ``None``) lost its last ``cut_pages`` pages. Forgets what is no longer cached."""
         known = self._digests
+        if self._events is None:  # digests alone: forget the removed ones, report nothing
+            for leaf in leaves:
+                known.pop(leaf, None)
+            if cut is not None and cut in known:
+                known[cut] = known[cut][: cut.num_tokens // self._page]
+            return
         event_hash = self._hasher.event_hash
         hashes: list[int] = []
         for leaf in leaves:
@@ -135,8 +141,6 @@ class RadixBlockHashes:
             keep = cut.num_tokens // self._page  # the pages it kept
             hashes.extend(map(event_hash, digests[keep:]))
             known[cut] = digests[:keep]
-        if self._events is None:
-            return
         self._events.prefix_removed(
             PrefixRemoved(cache=self._cache, num_tokens=num_tokens, block_hashes=tuple(hashes))
         )

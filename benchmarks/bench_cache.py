@@ -310,8 +310,9 @@ def with_host_tier(cache: RadixCache, allocator: StandardAllocator) -> RadixCach
 
     def storage(hash_function: str) -> TierHierarchy:
         tier = HostTier(context, HostTierOptions(capacity_tokens=allocator.size * 10))
+        config = StorageConfig(background=BACKGROUND)
         return TierHierarchy(
-            [tier], StorageConfig(background=BACKGROUND), namespace, pool=None, page_size=1, kv_bytes_per_token=256
+            [tier], config, namespace, pool=None, page_size=1, kv_bytes_per_token=256
         )
 
     return RadixCache(allocator, cache.policy.__class__, storage=storage)

@@ -311,7 +311,10 @@ class StorageConfig(FrozenModel):
     ``model_id``: part of the namespace (give the model's name: two models with the same geometry
     must not share KV). ``queue_pages``: the background demotion queue's bound; a demotion that
     finds it full is dropped and counted, never waited for. ``background=False`` demotes on the
-    caller's thread (a simulator's bookkeeping tiers, deterministic tests).
+    caller's thread (a simulator's bookkeeping tiers, deterministic tests). ``prefetch``: when
+    a request is queued, the engine asks the cache to copy the pages of its prefix that only a
+    slower tier holds (disk, Redis) into the fastest (host) in the background, so admitting it
+    loads from host memory (SGLang HiCache's prefetch from its storage tier).
     """
 
     tiers: tuple[ComponentSelection, ...] = ()
@@ -321,6 +324,7 @@ class StorageConfig(FrozenModel):
     model_id: str = "default"
     queue_pages: PositiveInt = 4096
     background: bool = True
+    prefetch: bool = False
 
     @model_validator(mode="after")
     def _distinct_tiers(self) -> StorageConfig:

@@ -61,7 +61,7 @@ from .common import (
     release_ownership,
     take_ownership,
 )
-from .tiered import emit_tier_events, load_pages
+from .tiered import emit_tier_events, load_pages, prefetch_pages
 
 if TYPE_CHECKING:
     from ..tiers import TierHierarchy
@@ -250,6 +250,25 @@ class BlockHashCache(BuiltFromContext):
             prefix_len=prefix_len,
             tier_tokens=tier_tokens,
         )
+
+    def prefetch(self, key: CacheKey | Sequence[int]) -> int:
+        """A request with ``key`` was queued: start copying the blocks of its prefix that only
+        a slower storage tier holds into the fastest one, in the background (see
+        ``RadixCache.prefetch``). Changes nothing on the device; returns the pages on their
+        way (0 without tiers)."""
+        storage = self.storage
+        ids, extra_key = check_key(key)
+        if storage is None:
+            return 0
+        page = self.page_size
+        matched = self._match_blocks(ids, extra_key)
+        remaining = len(ids) // page - len(matched)
+        if remaining <= 0:
+            return 0
+        pos = len(matched) * page
+        parent = matched[-1].digest if matched else self._seed(extra_key)
+        digests = self.block_hasher.chain(parent, ids[pos:], page, remaining, extra_key)
+        return prefetch_pages(storage, digests, ids, pos, page)
 
     # ----------------------------------------------------------------------------- tiers
     def _match_tiers(

@@ -84,7 +84,7 @@ from .common import (
 )
 from .radix_events import RadixBlockHashes
 from .radix_tree import common_len, descendants
-from .tiered import demote_pages, emit_tier_events, load_pages
+from .tiered import demote_pages, emit_tier_events, load_pages, prefetch_pages
 
 if TYPE_CHECKING:
     from ..tiers import TierHierarchy
@@ -449,6 +449,30 @@ class RadixCache(BuiltFromContext):
         return MatchResult(
             device_indices=indices, last_node=node, prefix_len=pos, tier_tokens=tier_tokens
         )
+
+    def prefetch(self, key: CacheKey | Sequence[int]) -> int:
+        """A request with ``key`` was queued: start copying the pages of its prefix that only
+        a slower storage tier holds (disk, Redis) into the fastest one (host memory), in the
+        background, so its match loads them from there. Changes nothing on the device, no
+        statistic and no recency (like a probe). Returns how many pages are on their way (0
+        without tiers)."""
+        storage = self.storage
+        ids, extra_key = check_key(key)
+        if storage is None:
+            return 0
+        page = self.page_size
+        end = len(ids) - len(ids) % page
+        try:
+            node, pos, _ = self._walk(ids, end, extra_key)
+        except Exception as exc:
+            self._resync_policy()
+            raise policy_error(self.policy, "prefetch", exc) from exc
+        if pos >= end:
+            return 0
+        digests = self.block_hasher.chain(
+            self._page_digest(node, extra_key), ids[pos:end], page, (end - pos) // page, extra_key
+        )
+        return prefetch_pages(storage, digests, ids, pos, page)
 
     # -- storage tiers --------------------------------------------------------------------------
 

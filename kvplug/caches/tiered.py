@@ -11,7 +11,7 @@ Tier events are reported by :func:`emit_tier_events` on the cache's thread, with
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +25,7 @@ from .block_hashing import event_hash
 if TYPE_CHECKING:
     from ..tiers import TierHierarchy
 
-__all__ = ["demote_pages", "emit_tier_events", "load_pages", "page_tokens"]
+__all__ = ["demote_pages", "emit_tier_events", "load_pages", "page_tokens", "prefetch_pages"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,18 @@ def demote_pages(
         storage.demote(keys, tokens, parents, slots)
     except Exception:  # a demotion is an optimisation: the cache's own operation goes on
         log.exception("demoting %d pages failed; they will be recomputed", len(digests))
+
+
+def prefetch_pages(
+    storage: TierHierarchy, digests: Iterator[bytes], ids: Sequence[int], pos: int, page: int
+) -> int:
+    """Locate the pages after a device match (``digests``: theirs, from ``ids[pos:]``) and have
+    the hierarchy copy the ones only slower tiers hold up into the fastest; returns how many
+    pages that is (0: nothing below the fastest tier, or the queue is full)."""
+    keys, runs = storage.locate(digests)
+    if not runs:
+        return 0
+    return storage.prefetch(keys, page_tokens(ids, pos, len(keys), page), runs)
 
 
 def load_pages(

@@ -125,6 +125,14 @@ class Scheduler:
         next one: decode steps are not fast-forwarded past it, as if it were already queued."""
         # the stack's observers (KV-event publisher, metrics) hear where each step ends
         self._end_step = stack.end_step if getattr(stack, "observers", ()) else None
+        # storage tiers with prefetch: a queued request's prefix starts moving up at once
+        config = getattr(stack, "config", None)
+        prefetching = config is not None and config.storage.prefetch
+        self._prefetch = (
+            getattr(self.cache, "prefetch", None)
+            if prefetching and getattr(self.cache, "storage", None) is not None
+            else None
+        )
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -136,6 +144,8 @@ class Scheduler:
                 f"previous one ({self.waiting[-1].arrival_ms} ms): add requests in arrival order"
             )
         self.waiting.append(request)
+        if self._prefetch is not None:
+            self._prefetch(CacheKey(request.prompt[:-1], request.extra_key))
 
     @property
     def idle(self) -> bool:

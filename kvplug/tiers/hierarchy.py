@@ -19,6 +19,9 @@ not have to think about:
   used again once a call succeeds.
 * **Load versus recompute.** ``plan`` keeps only the runs whose load time (the tier's latency and
   bandwidth) is below their prefill time (:class:`~kvplug_hookspecs.TierCostModel`).
+* **Prefetch.** ``prefetch`` (a request was queued) has the worker copy the located pages that
+  only slower tiers hold (disk, Redis) into the fastest tier in use, verified first, so the match
+  that admits the request loads them from host memory. Queued like a demotion: never waits.
 
 Keys are page digests; the hierarchy never sees a cache's tree. Tier events (pages stored in or
 dropped from a tier) are queued here and taken by the cache on its own thread
@@ -86,6 +89,8 @@ class HierarchyStats:
     dropped_pages: int = 0
     corrupt_pages: int = 0
     skipped_pages: int = 0
+    prefetched_pages: int = 0
+    """Pages a prefetch copied up from a slower tier (verified) into the fastest in use."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +103,7 @@ class HierarchyStats:
             "dropped_pages": self.dropped_pages,
             "corrupt_pages": self.corrupt_pages,
             "skipped_pages": self.skipped_pages,
+            "prefetched_pages": self.prefetched_pages,
         }
 
 
@@ -113,6 +119,23 @@ class _Health:
 
 
 _Job = tuple[list[bytes], list[tuple[int, ...]], list[bytes | None], torch.Tensor | None]
+"""A demotion: page keys, their tokens, their parents' keys, their KV (host copy or ``None``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefetch:
+    """A prefetch: located page keys, their tokens, and their runs ``(tier, pages)``."""
+
+    keys: list[bytes]
+    tokens: list[tuple[int, ...]]
+    runs: list[tuple[int, int]]
+
+
+def _job_pages(job: _Job | _Prefetch) -> int:
+    """The pages a queued job counts in the queue's bound."""
+    if isinstance(job, _Prefetch):
+        return sum(count for i, count in job.runs if i > 0)
+    return len(job[0])
 
 
 class TierHierarchy:
@@ -152,7 +175,7 @@ class TierHierarchy:
         self._lock = threading.Lock()
         self._observed = observed
         self._events: deque[TierEvent] = deque()
-        self._queue: queue.Queue[_Job | None] | None = None
+        self._queue: queue.Queue[_Job | _Prefetch | None] | None = None
         self._queued_pages = 0  # pages demoted and not yet stored (<= config.queue_pages)
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -404,12 +427,10 @@ class TierHierarchy:
                 self.stats.dropped_pages += len(keys)
                 return
             if self._queue is not None:
-                with self._lock:
-                    if self._queued_pages + len(keys) > self.config.queue_pages:
-                        self.stats.dropped_pages += len(keys)  # full: dropped, never waited for
-                        return
-                    self._queued_pages += len(keys)
-                    counted = True
+                if not self._reserve(len(keys)):
+                    self.stats.dropped_pages += len(keys)  # full: dropped, never waited for
+                    return
+                counted = True
             kv = self._pool.read_slots(slots) if self._pool is not None else None
             job: _Job = (keys, tokens, parents, kv)
             if self._queue is None:
@@ -422,6 +443,63 @@ class TierHierarchy:
             if counted:
                 with self._lock:
                     self._queued_pages -= len(keys)
+
+    def _reserve(self, pages: int) -> bool:
+        """Count ``pages`` into the queue's bound, or say it is full."""
+        with self._lock:
+            if self._queued_pages + pages > self.config.queue_pages:
+                return False
+            self._queued_pages += pages
+            return True
+
+    def prefetch(
+        self, keys: list[bytes], tokens: list[tuple[int, ...]], runs: list[tuple[int, int]]
+    ) -> int:
+        """Start copying the located pages (``keys``, their ``tokens``, their ``runs`` as
+        ``locate`` gave them) that only slower tiers hold into the fastest tier in use, so a
+        match that follows loads them from there. Never raises, never waits: the copy is queued
+        (or done now without a worker); a full queue drops it. Returns the pages it will try."""
+        job = _Prefetch(list(keys), list(tokens), list(runs))
+        pages = _job_pages(job)
+        if not pages or self._closed:
+            return 0
+        if self._queue is None:
+            try:
+                self._promote(job)
+            except Exception:
+                log.exception("storage hierarchy: a prefetch of %d pages failed", pages)
+            return pages
+        if not self._reserve(pages):
+            return 0  # full: demotions come first, a prefetch is only a head start
+        self._queue.put_nowait(job)  # unbounded queue (bounded in pages above): never raises
+        return pages
+
+    def _top(self) -> int | None:
+        """The fastest tier in use now."""
+        return next((i for i in range(len(self.tiers)) if self._usable(i)), None)
+
+    def _promote(self, job: _Prefetch) -> None:
+        """Copy the prefetch's pages held below the fastest tier in use up into it (verified
+        first: a page that fails is removed from its tier and the prefetch stops there)."""
+        top = self._top()
+        if top is None:
+            return
+        start = 0
+        for i, count in job.runs:
+            end = start + count
+            if i > top and self._usable(i):
+                verified: list[PageData] = []
+                good, _ = self._load_run(i, job.keys, job.tokens, start, end, verified)
+                if verified:
+                    tier = self.tiers[i]
+                    self.stats.transfer_bytes[f"{tier.medium}_to_{self.tiers[top].medium}"] += (
+                        len(verified) * self.page_size * self._bpt
+                    )
+                    if self._place(verified, top, tier.medium):
+                        self.stats.prefetched_pages += len(verified)
+                if good < count:
+                    return
+            start = end
 
     def _pages_of(self, job: _Job) -> list[PageData]:
         """Host pages with checksums, from a demotion's device copy."""
@@ -453,10 +531,19 @@ class TierHierarchy:
             log.exception("storage hierarchy: copying %d pages to the host failed", len(job[0]))
             self.stats.dropped_pages += len(job[0])
             return
-        source = DEVICE_MEDIUM
-        for i, tier in enumerate(self.tiers):
+        if self._place(pages, 0, DEVICE_MEDIUM):
+            self.stats.demoted_pages += len(pages)
+        else:
+            self.stats.dropped_pages += len(job[0])
+
+    def _place(self, pages: list[PageData], first: int, source: str) -> bool:
+        """Store ``pages`` (coming from ``source``) in the first tier in use from ``first`` on,
+        cascading what each tier pushes out to the next. Returns whether a tier took them."""
+        placed = False
+        for i in range(first, len(self.tiers)):
+            tier = self.tiers[i]
             if not pages:
-                return
+                return placed
             if not self._usable(i):
                 continue
             out: list[PageData] | None = self._call(
@@ -464,11 +551,11 @@ class TierHierarchy:
             )
             if out is None:
                 continue  # failed: try the next tier with the same pages
-            self.stats.transfer_bytes[f"{source}_to_{tier.medium}"] += (
-                len(pages) * self.page_size * self._bpt
-            )
-            if source == DEVICE_MEDIUM:
-                self.stats.demoted_pages += len(pages)
+            if source == DEVICE_MEDIUM or placed:  # a prefetch counted its own read
+                self.stats.transfer_bytes[f"{source}_to_{tier.medium}"] += (
+                    len(pages) * self.page_size * self._bpt
+                )
+            placed = True
             self._event("stored", tier.medium, pages)
             if out:
                 self._event("removed", tier.medium, out)
@@ -485,8 +572,7 @@ class TierHierarchy:
             with self._lock:
                 for p in pages:
                     self._moving.pop(p.key, None)
-        if source == DEVICE_MEDIUM:
-            self.stats.dropped_pages += len(job[0])
+        return placed
 
     def _event(
         self, kind: Literal["stored", "removed"], medium: str, pages: list[PageData]
@@ -509,10 +595,16 @@ class TierHierarchy:
             try:
                 if job is None:
                     return
-                self._store(job)
-                with self._lock:
-                    self._queued_pages -= len(job[0])
+                if isinstance(job, _Prefetch):
+                    self._promote(job)
+                else:
+                    self._store(job)
+            except Exception:  # the worker outlives any one job
+                log.exception("storage hierarchy: a background job failed")
             finally:
+                if job is not None:
+                    with self._lock:
+                        self._queued_pages -= _job_pages(job)
                 self._queue.task_done()
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -63,6 +63,7 @@ def test_prefetch_moves_disk_pages_to_the_host(cache, background, tmp_path):
     # the match loads a from the host (making room demotes e, which pushes c down); its K/V is
     # checked against a recompute by the driver
     assert d.request(a).tier_tokens == (("host", 8),)
+    d.flush()  # e's demotion (it pushes c down) is stored before c is asked for
     assert dict(storage.stats.hit_tokens) == {"host": 8}
     assert storage.stats.corrupt_pages == 0
     # b was pushed down by the prefetch, c by e's demotion: both come from the disk

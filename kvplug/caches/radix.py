@@ -556,6 +556,10 @@ class RadixCache(BuiltFromContext):
     ) -> None:
         storage, hashes, page = self.storage, self._hashes, self.page_size
         assert storage is not None and hashes is not None
+        if cut is not None:
+            # the cut leaf's digests are those of its uncut key: the removed leaves that hung
+            # from it chain from its last page, not from the last one it keeps
+            hashes.digests(cut[0], key=cut[1])
         # a leaf's parent may have been evicted after it (and unlinked): digests are computed
         # parents first (each removed node's parent is linked, or removed after it)
         for leaf, parent in reversed(removed):
@@ -567,15 +571,12 @@ class RadixCache(BuiltFromContext):
         if cut is not None:
             leaf, key, path_value, _ = cut
             keep = leaf.num_tokens // page  # the leaf was cut to its first ``keep`` pages
-            digests = hashes.digests(leaf)  # all its pages if known before, else the kept ones
+            digests = hashes.digests(leaf)  # all its pages: computed from the uncut key above
             head_last = digests[keep - 1]
             tail = key[leaf.num_tokens :]
-            cut_digests = digests[keep:] or list(
-                self.block_hasher.chain(head_last, tail, page, len(tail) // page, leaf.namespace)
-            )
             demote_pages(
                 storage,
-                cut_digests,
+                digests[keep:],
                 tail,
                 head_last,
                 path_value[leaf.depth + leaf.num_tokens :],

@@ -69,10 +69,17 @@ class RadixBlockHashes:
         self._hasher = hasher or BlockHasher("sha256")
         self._digests: dict[RadixNode, list[bytes]] = {}
 
-    def digests(self, node: RadixNode, parent: RadixNode | None = None) -> list[bytes]:
+    def digests(
+        self,
+        node: RadixNode,
+        parent: RadixNode | None = None,
+        key: tuple[int, ...] | None = None,
+    ) -> list[bytes]:
         """The digests of ``node``'s pages (computed, and those of uncached ancestors, once).
 
-        ``parent``: the node ``node`` hung from, for a leaf an eviction just unlinked.
+        ``parent``: the node ``node`` hung from, for a leaf an eviction just unlinked. ``key``:
+        ``node``'s key before an exact eviction cut it (its pages' digests, when not known
+        yet, are those of the uncut key: the children it had chain from its last page).
         """
         known = self._digests
         if node in known:
@@ -87,8 +94,9 @@ class RadixBlockHashes:
         hasher = self._hasher
         chain = hasher.root(node.namespace) if up is self._root else known[up][-1]
         for n in reversed(missing):
-            pages = n.num_tokens // self._page
-            known[n] = list(hasher.chain(chain, n.key, self._page, pages, n.namespace))
+            tokens = key if key is not None and n is node else n.key
+            pages = len(tokens) // self._page
+            known[n] = list(hasher.chain(chain, tokens, self._page, pages, n.namespace))
             chain = known[n][-1]
         return known[node]
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from baseline import RebuildHeapLRU, random_tokens  # benchmarks/ is on sys.path
 
+from kvplug.allocators.paged import PagedAllocator
 from kvplug.allocators.standard import StandardAllocator
 from kvplug.caches.radix import RadixCache
 from kvplug.eviction import evict_from_tree_cache
@@ -67,13 +68,20 @@ class RebuildHeapRadixCache(RadixCache):
             self.policy.end_evict()
 
 
+def new_allocator(capacity: int, page: int) -> Any:
+    """The allocator of a ``page``-token page size (``standard`` at 1, ``paged`` above)."""
+    if page == 1:
+        return StandardAllocator(capacity, device="cpu", check_bounds=False)
+    return PagedAllocator(capacity, page, device="cpu", check_bounds=False)
+
+
 def build(
-    kind: str, num_leaves: int, rng: random.Random, policy: str = "lru"
-) -> tuple[RadixCache, StandardAllocator]:
+    kind: str, num_leaves: int, rng: random.Random, policy: str = "lru", page: int = 1
+) -> tuple[RadixCache, Any]:
     """A cache filled to capacity with ``num_leaves`` evictable 64-token leaves under 8 prompts."""
     capacity = num_leaves * SUFFIX_TOKENS + SYSTEM_PROMPTS * SYSTEM_TOKENS
     # the engine's running requests hold no memory here: every slot is cached and evictable
-    allocator = StandardAllocator(capacity, device="cpu", check_bounds=False)
+    allocator = new_allocator(capacity, page)
     if kind == "kvplug":
         registration = POLICIES[policy]
         options = registration.options_model()
@@ -208,10 +216,16 @@ def main() -> None:
         action="store_true",
         help="compare a cache with a never-hit host tier against one without tiers",
     )
+    parser.add_argument(
+        "--page-sizes",
+        default="1,16",
+        help="comma list of page sizes for --tiers (1: SGLang's default, 16: vLLM's)",
+    )
     args = parser.parse_args()
     sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
     if args.tiers:
-        compare_tiers(sizes, args.requests or 1000, args.gc)
+        pages = tuple(int(p) for p in args.page_sizes.split(","))
+        compare_tiers(sizes, args.requests or 1000, args.gc, pages)
         return
     if args.policies:
         compare_policies(args.policies.split(","), sizes, args.requests or 1000, args.gc)
@@ -295,7 +309,7 @@ def compare_policies(
             del stacks
 
 
-def with_host_tier(cache: RadixCache, allocator: StandardAllocator) -> RadixCache:
+def with_host_tier(cache: RadixCache, allocator: Any) -> RadixCache:
     """The same cache contents' shape, rebuilt over a fresh allocator with a host tier below."""
     from kvplug.policies.builtin import LRUPolicy
     from kvplug.tiers import TierHierarchy
@@ -304,7 +318,7 @@ def with_host_tier(cache: RadixCache, allocator: StandardAllocator) -> RadixCach
 
     namespace = TierNamespace(
         model_id="bench", num_layers=1, kv_heads=1, head_dim=64, dtype="float16",
-        page_size=1, hash_function="kvplug-sha256",
+        page_size=allocator.page_size, hash_function="kvplug-sha256",
     )  # fmt: skip
     context = TierContext(namespace, 1, 0, False, False, lambda _: LRUPolicy())
 
@@ -312,66 +326,75 @@ def with_host_tier(cache: RadixCache, allocator: StandardAllocator) -> RadixCach
         tier = HostTier(context, HostTierOptions(capacity_tokens=allocator.size * 10))
         config = StorageConfig(background=BACKGROUND)
         return TierHierarchy(
-            [tier], config, namespace, pool=None, page_size=1, kv_bytes_per_token=256
+            [tier],
+            config,
+            namespace,
+            pool=None,
+            page_size=allocator.page_size,
+            kv_bytes_per_token=256,
         )
 
     return RadixCache(allocator, cache.policy.__class__, storage=storage)
 
 
-def compare_tiers(sizes: tuple[int, ...], requests: int, gc_on: bool) -> None:
+def compare_tiers(
+    sizes: tuple[int, ...], requests: int, gc_on: bool, pages: tuple[int, ...]
+) -> None:
     """Per-request time (match + evict + insert) without tiers and with a never-hit host tier,
     served side by side (rotating which goes first); medians and their ratio."""
     print(f"us per request, median (ratio to no tiers), {requests} requests, gc {gc_on}")
-    print(f"{'workload':<10} {'N':>7} {'no tiers':>9} {'host tier':>9} {'ratio':>6} {'demoted':>8}")
-    for workload in ("shared", "multiturn"):
-        for n in sizes:
-            plain = build("kvplug", n, random.Random(0))
-            cache, allocator = build("kvplug", n, random.Random(0))
-            tiered = with_host_tier(cache, StandardAllocator(allocator.size, device="cpu"))
-            del cache
-            tiered_alloc = tiered.allocator
-            rng = random.Random(0)  # the same prefill as build(): same tree, same leaves
-            systems = [random_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
-            for system in systems:
-                tiered.insert(system, tiered_alloc.alloc(SYSTEM_TOKENS))
-            for i in range(n):
-                key = systems[i % SYSTEM_PROMPTS] + random_tokens(rng, SUFFIX_TOKENS)
-                m = tiered.match_prefix(key)
-                new = tiered_alloc.alloc(len(key) - m.prefix_len)
-                tiered.insert(key, torch.cat([m.device_indices, new]))
-            tiered_alloc.alloc(tiered_alloc.available_size())
-            tiered.systems = systems  # type: ignore[attr-defined]
-            stacks = [plain, (tiered, tiered_alloc)]
-            maker = shared_prefix_keys if workload == "shared" else multiturn_keys
-            keys = maker(plain[0], random.Random(1), requests, itertools.count(40_000))
-            times = [{"match": [], "evict": [], "insert": []} for _ in stacks]
-            gc.collect()
-            if not gc_on:
-                gc.disable()
-            try:
-                for i, key in enumerate(keys):
-                    for j in range(2):
-                        k = (i + j) % 2
-                        serve(*stacks[k], key, times[k])
-            finally:
-                gc.enable()
-            warm = requests // 10
-            totals = [
-                statistics.median(
-                    sum(parts)
-                    for parts in zip(t["match"][warm:], t["evict"][warm:], t["insert"][warm:])
-                )
-                / 1e3
-                for t in times
-            ]
-            assert tiered.storage is not None
-            assert not tiered.storage.stats.hit_tokens  # never hit, as intended
-            print(
-                f"{workload:<10} {n:>7} {totals[0]:>9.1f} {totals[1]:>9.1f} "
-                f"{totals[1] / totals[0]:>6.2f} {tiered.storage.stats.demoted_pages:>8}",
-                flush=True,
+    print(
+        f"{'workload':<10} {'page':>4} {'N':>7} {'no tiers':>9} {'host tier':>9} {'ratio':>6} "
+        f"{'demoted':>8}"
+    )
+    for workload, page, n in itertools.product(("shared", "multiturn"), pages, sizes):
+        plain = build("kvplug", n, random.Random(0), page=page)
+        cache, allocator = build("kvplug", n, random.Random(0), page=page)
+        tiered = with_host_tier(cache, new_allocator(allocator.size, page))
+        del cache
+        tiered_alloc = tiered.allocator
+        rng = random.Random(0)  # the same prefill as build(): same tree, same leaves
+        systems = [random_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
+        for system in systems:
+            tiered.insert(system, tiered_alloc.alloc(SYSTEM_TOKENS))
+        for i in range(n):
+            key = systems[i % SYSTEM_PROMPTS] + random_tokens(rng, SUFFIX_TOKENS)
+            m = tiered.match_prefix(key)
+            new = tiered_alloc.alloc(len(key) - m.prefix_len)
+            tiered.insert(key, torch.cat([m.device_indices, new]))
+        tiered_alloc.alloc(tiered_alloc.available_size())
+        tiered.systems = systems  # type: ignore[attr-defined]
+        stacks = [plain, (tiered, tiered_alloc)]
+        maker = shared_prefix_keys if workload == "shared" else multiturn_keys
+        keys = maker(plain[0], random.Random(1), requests, itertools.count(40_000))
+        times = [{"match": [], "evict": [], "insert": []} for _ in stacks]
+        gc.collect()
+        if not gc_on:
+            gc.disable()
+        try:
+            for i, key in enumerate(keys):
+                for j in range(2):
+                    k = (i + j) % 2
+                    serve(*stacks[k], key, times[k])
+        finally:
+            gc.enable()
+        warm = requests // 10
+        totals = [
+            statistics.median(
+                sum(parts)
+                for parts in zip(t["match"][warm:], t["evict"][warm:], t["insert"][warm:])
             )
-            tiered.storage.close()
+            / 1e3
+            for t in times
+        ]
+        assert tiered.storage is not None
+        assert not tiered.storage.stats.hit_tokens  # never hit, as intended
+        print(
+            f"{workload:<10} {page:>4} {n:>7} {totals[0]:>9.1f} {totals[1]:>9.1f} "
+            f"{totals[1] / totals[0]:>6.2f} {tiered.storage.stats.demoted_pages:>8}",
+            flush=True,
+        )
+        tiered.storage.close()
 
 
 if __name__ == "__main__":

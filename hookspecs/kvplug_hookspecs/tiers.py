@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PAGE_FORMAT_VERSION", "PageData", "StorageTier", "TierContext"]
 
-PAGE_FORMAT_VERSION = 1
+PAGE_FORMAT_VERSION = 2
 """Version of a stored page's header; a page of another version is discarded, never loaded."""
 
 
@@ -43,7 +43,7 @@ class PageData:
     against the request's own tokens, and KV events carry them). ``parent``: the digest of the
     page before it (``None`` for a prefix's first page). ``kv``: a ``[2, layers, page_size,
     kv_heads, head_dim]`` tensor on the host, or ``None`` when the pool keeps no KV (a
-    simulator's bookkeeping page). ``checksum``: CRC-32 of the header and the KV bytes, set by
+    simulator's bookkeeping page). ``checksum``: CRC-32C of the header and the KV bytes, set by
     ``kvplug.tiers.pages`` and checked before a page is loaded.
     """
 

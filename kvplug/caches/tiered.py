@@ -25,7 +25,14 @@ from .block_hashing import event_hash
 if TYPE_CHECKING:
     from ..tiers import TierHierarchy
 
-__all__ = ["demote_pages", "emit_tier_events", "load_pages", "page_tokens", "prefetch_pages"]
+__all__ = [
+    "demote_pages",
+    "emit_tier_events",
+    "load_pages",
+    "page_tokens",
+    "prefetch_pages",
+    "write_pages",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +107,7 @@ def load_pages(
         pages, per_tier = storage.load(keys[:num_pages], tokens, runs)
         kept = len(pages) * page
         if kept and pages[0].kv is not None:
-            parts = [p.kv for p in pages if p.kv is not None]
-            kv = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-            allocator.pool.write_slots(slots[:kept], kv)
+            write_pages(allocator.pool, slots, [p.kv for p in pages], page)
     except PolicyError:
         kept = 0
         raise
@@ -113,6 +118,22 @@ def load_pages(
         if kept < need:
             allocator.free(slots[kept:])
     return (slots[:kept], per_tier) if kept else None
+
+
+_WRITE_PER_PAGE = 16
+"""Pages of at least this many tokens are written one by one (each a copy large enough that a
+concatenation into one tensor first would only add a copy of every byte); smaller pages are
+concatenated and written at once."""
+
+
+def write_pages(pool: Any, slots: torch.Tensor, kvs: list[Any], page: int) -> None:
+    """Write verified pages' KV (``[2, layers, page, heads, dim]`` each) at ``slots``."""
+    if page >= _WRITE_PER_PAGE:
+        for i, kv in enumerate(kvs):
+            pool.write_slots(slots[i * page : (i + 1) * page], kv)
+        return
+    kv = torch.cat(kvs, dim=2) if len(kvs) > 1 else kvs[0]
+    pool.write_slots(slots[: len(kvs) * page], kv)
 
 
 def emit_tier_events(

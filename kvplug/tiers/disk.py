@@ -1,7 +1,7 @@
 """``disk``: KV pages as files in a directory, bounded in bytes, kept across restarts.
 
 Each page is one file ``<path>/<namespace id>/<key hex>.kvpg`` in the byte form of
-:mod:`kvplug.tiers.pages` (header, tokens, KV, CRC-32). A write goes to a temporary file in the
+:mod:`kvplug.tiers.pages` (header, tokens, KV, CRC-32C). A write goes to a temporary file in the
 same directory and is renamed into place (``os.replace`` is atomic on POSIX), so a crash never
 leaves a half-written page under a page's name, and a page is visible only once written. A
 process started later on the same directory finds the pages the previous one wrote (warm

@@ -125,34 +125,51 @@ class HostTier:
 
     def put(self, pages: Sequence[PageData]) -> list[PageData]:
         evicted: list[PageData] = []
+        held, children, policy = self._pages, self._children, self._policy
+        # new pages join the policy when they are still leaves: before an eviction and at the
+        # end (a run of chained pages adds one candidate, its last page, not one per page)
+        pending: list[_HostPage] = []
         with self._lock:
             for page in pages:
-                if page.key in self._pages:
+                key, size = page.key, page.num_tokens
+                if key in held:
                     continue  # already held (write-through, or stored by another engine)
-                while self._tokens + page.num_tokens > self.capacity_tokens and self._pages:
-                    victim = self._policy.pop()
-                    if victim is None:
-                        break
-                    assert isinstance(victim, _HostPage)
-                    self._drop(victim)
-                    evicted.append(victim.page)
-                    self._evicted_pages += 1
-                if self._tokens + page.num_tokens > self.capacity_tokens:
-                    break  # a page larger than the whole tier
+                if self._tokens + size > self.capacity_tokens:
+                    self._add_leaves(pending)
+                    while self._tokens + size > self.capacity_tokens and held:
+                        victim = policy.pop()
+                        if victim is None:
+                            break
+                        assert isinstance(victim, _HostPage)
+                        self._drop(victim)
+                        evicted.append(victim.page)
+                        self._evicted_pages += 1
+                    if self._tokens + size > self.capacity_tokens:
+                        break  # a page larger than the whole tier
                 self._clock += 1
                 entry = _HostPage(page, self._clock, self._page_bytes)
-                self._pages[page.key] = entry
-                self._tokens += page.num_tokens
+                held[key] = entry
+                self._tokens += size
                 self._stored_pages += 1
-                parent = self._pages.get(page.parent) if page.parent is not None else None
-                if page.parent is not None:
-                    count = self._children.get(page.parent, 0)
-                    self._children[page.parent] = count + 1
-                    if count == 0 and parent is not None and parent in self._policy:
-                        self._policy.discard(parent)
-                if not self._children.get(page.key):
-                    self._policy.add(entry)
+                parent_key = page.parent
+                if parent_key is not None:
+                    count = children.get(parent_key, 0)
+                    children[parent_key] = count + 1
+                    if count == 0:
+                        parent = held.get(parent_key)
+                        if parent is not None and parent in policy:
+                            policy.discard(parent)
+                pending.append(entry)
+            self._add_leaves(pending)
         return evicted
+
+    def _add_leaves(self, pending: list[_HostPage]) -> None:
+        """Make the pending new pages no held page chains from candidates (the lock is held)."""
+        children, policy = self._children, self._policy
+        for entry in pending:
+            if not children.get(entry.page.key):
+                policy.add(entry)
+        pending.clear()
 
     def _drop(self, entry: _HostPage) -> None:
         """Forget one held page (the lock is held); its parent may become a candidate."""

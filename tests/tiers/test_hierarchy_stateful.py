@@ -5,21 +5,33 @@ The disk is unbounded and demotion is inline, so no page ever served can be lost
 must match exactly the longest page-aligned prefix it shares with any prompt served before
 (loaded from wherever it lives now), with K/V equal to a recompute (the driver checks it) and
 free + cached + held equal to capacity after every step (the driver checks that too).
+
+A second machine adds faults (a full disk, damaged page files, restarts on the same directory):
+then only what was served bounds a match, and nothing damaged may ever be loaded.
 """
 
 from __future__ import annotations
 
+import random
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvplug_hookspecs import CacheKey
 
 from .driver import Driver, config, prompts
+from .faults import disk_full
 
 PAGE = 4
 HOST_TOKENS = 16
@@ -157,3 +169,91 @@ def test_pages_under_a_cut_leaf_chain_from_its_last_page(tmp_path):
         ]
     finally:
         d.close()
+
+
+def faulty_machine(cache: str) -> type[RuleBasedStateMachine]:
+    """Requests against host + disk while the disk fails (full: every write raises), pages on it
+    are damaged (a flipped byte), and the engine restarts on the same directory (warm: only the
+    disk's pages survive). Whatever is matched must be K/V equal to a recompute (the driver
+    checks every matched token) and conservation must hold; a match never reaches past what
+    was served; every damaged page that was read is counted, none is loaded."""
+
+    class FaultyHierarchy(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dir = tempfile.mkdtemp(prefix="kvplug-tiers-")
+            self.d = self.build()
+            self.served: list[list[int]] = []
+            self.flips = 0
+            self.corrupt_before = 0  # counted by engines that restarted since
+            self.rng = random.Random(0)
+
+        def build(self) -> Driver:
+            return Driver.build(
+                config(
+                    [
+                        {"name": "host", "options": {"capacity_tokens": 2 * PAGE}},
+                        {"name": "disk", "options": {"path": self.dir}},
+                    ],
+                    cache=cache,
+                    page_size=PAGE,
+                    capacity=16,
+                )
+            )
+
+        def serve(self, i: int) -> None:
+            ids = PROMPTS[i]
+            bound = max((shared_pages(ids, q) for q in self.served), default=0)
+            match = self.d.request(ids)
+            assert 0 <= match.prefix_len <= bound
+            self.served.append(ids)
+
+        @rule(i=st.integers(0, len(PROMPTS) - 1))
+        def request(self, i: int) -> None:
+            self.serve(i)
+
+        @rule(i=st.integers(0, len(PROMPTS) - 1))
+        def request_on_a_full_disk(self, i: int) -> None:
+            with disk_full(0):  # the disk takes no byte: its writes fail (then it backs off)
+                self.serve(i)
+
+        @precondition(lambda self: any(Path(self.dir).rglob("*.kvpg")))
+        @rule()
+        def damage_a_disk_page(self) -> None:
+            files = sorted(Path(self.dir).rglob("*.kvpg"))
+            file = files[self.rng.randrange(len(files))]
+            data = bytearray(file.read_bytes())
+            data[self.rng.randrange(len(data))] ^= 0x10
+            file.write_bytes(bytes(data))
+            self.flips += 1
+
+        @rule()
+        def restart(self) -> None:
+            self.corrupt_before += self.d.stack.storage.stats.corrupt_pages
+            self.d.close()
+            self.d = self.build()
+
+        @invariant()
+        def damaged_pages_are_counted_never_loaded(self) -> None:
+            corrupt = self.corrupt_before + self.d.stack.storage.stats.corrupt_pages
+            assert corrupt <= self.flips
+
+        def teardown(self) -> None:
+            self.d.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    FaultyHierarchy.__name__ = f"FaultyHierarchy_{cache}"
+    return FaultyHierarchy
+
+
+@pytest.mark.parametrize("cache", ["radix", "block_hash"])
+def test_faults_never_load_a_wrong_page(cache):
+    run_state_machine_as_test(
+        faulty_machine(cache),
+        settings=settings(
+            max_examples=60,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )

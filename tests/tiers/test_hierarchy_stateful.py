@@ -16,6 +16,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -54,29 +55,51 @@ def shared_pages(a: list[int], b: list[int]) -> int:
     return n - n % PAGE
 
 
+def served_bound(ids: list[int], served: list[list[int]]) -> int:
+    """The longest page-aligned prefix ``ids`` shares with any prompt served before."""
+    return max((shared_pages(ids, q) for q in served), default=0)
+
+
+def hierarchy(cache: str, directory: str, host_tokens: int, **storage: Any) -> Driver:
+    """A device of 16 tokens (pages of ``PAGE``) over a host tier and an unbounded disk."""
+    return Driver.build(
+        config(
+            [
+                {"name": "host", "options": {"capacity_tokens": host_tokens}},
+                {"name": "disk", "options": {"path": directory}},
+            ],
+            cache=cache,
+            page_size=PAGE,
+            capacity=16,
+            **storage,
+        )
+    )
+
+
+def run_machine(machine: type[RuleBasedStateMachine], examples: int) -> None:
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
 def machine(cache: str) -> type[RuleBasedStateMachine]:
     class TieredCache(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.dir = tempfile.mkdtemp(prefix="kvplug-tiers-")
-            self.d = Driver.build(
-                config(
-                    [
-                        {"name": "host", "options": {"capacity_tokens": HOST_TOKENS}},
-                        {"name": "disk", "options": {"path": self.dir}},
-                    ],
-                    cache=cache,
-                    page_size=PAGE,
-                    capacity=16,
-                    prefetch=True,
-                )
-            )
+            self.d = hierarchy(cache, self.dir, HOST_TOKENS, prefetch=True)
             self.served: list[list[int]] = []
 
         @rule(i=st.integers(0, len(PROMPTS) - 1))
         def request(self, i: int) -> None:
             ids = PROMPTS[i]
-            want = max((shared_pages(ids, q) for q in self.served), default=0)
+            want = served_bound(ids, self.served)
             match = self.d.request(ids)
             assert match.prefix_len == want, (ids, self.served)
             device = match.prefix_len - sum(n for _, n in match.tier_tokens)
@@ -125,33 +148,14 @@ def machine(cache: str) -> type[RuleBasedStateMachine]:
 
 @pytest.mark.parametrize("cache", ["radix", "block_hash"])
 def test_no_served_page_is_lost_across_the_hierarchy(cache):
-    run_state_machine_as_test(
-        machine(cache),
-        settings=settings(
-            max_examples=150,
-            stateful_step_count=30,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
+    run_machine(machine(cache), examples=150)
 
 
 def test_pages_under_a_cut_leaf_chain_from_its_last_page(tmp_path):
     """The sequence the state machine found: an exact eviction cuts a two-page leaf whose child
     was evicted just before; the child's page must be demoted under the digest chained from the
     cut leaf's last page (not from the last page it keeps), or it can never be found again."""
-    d = Driver.build(
-        config(
-            [
-                {"name": "host", "options": {"capacity_tokens": HOST_TOKENS}},
-                {"name": "disk", "options": {"path": str(tmp_path)}},
-            ],
-            cache="radix",
-            page_size=PAGE,
-            capacity=16,
-            prefetch=True,
-        )
-    )
+    d = hierarchy("radix", str(tmp_path), HOST_TOKENS, prefetch=True)
     try:
         got = [
             (m.prefix_len, m.tier_tokens)
@@ -189,23 +193,12 @@ def faulty_machine(cache: str) -> type[RuleBasedStateMachine]:
             self.rng = random.Random(0)
 
         def build(self) -> Driver:
-            return Driver.build(
-                config(
-                    [
-                        {"name": "host", "options": {"capacity_tokens": 2 * PAGE}},
-                        {"name": "disk", "options": {"path": self.dir}},
-                    ],
-                    cache=cache,
-                    page_size=PAGE,
-                    capacity=16,
-                )
-            )
+            return hierarchy(cache, self.dir, 2 * PAGE)
 
         def serve(self, i: int) -> None:
             ids = PROMPTS[i]
-            bound = max((shared_pages(ids, q) for q in self.served), default=0)
             match = self.d.request(ids)
-            assert 0 <= match.prefix_len <= bound
+            assert 0 <= match.prefix_len <= served_bound(ids, self.served)
             self.served.append(ids)
 
         @rule(i=st.integers(0, len(PROMPTS) - 1))
@@ -248,12 +241,4 @@ def faulty_machine(cache: str) -> type[RuleBasedStateMachine]:
 
 @pytest.mark.parametrize("cache", ["radix", "block_hash"])
 def test_faults_never_load_a_wrong_page(cache):
-    run_state_machine_as_test(
-        faulty_machine(cache),
-        settings=settings(
-            max_examples=60,
-            stateful_step_count=30,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
+    run_machine(faulty_machine(cache), examples=60)

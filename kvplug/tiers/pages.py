@@ -2,9 +2,9 @@
 
 A page's checksum is CRC-32C (Castagnoli: the checksum of iSCSI, ext4 and RocksDB, computed by
 the SSE4.2/ARMv8 instruction through ``google-crc32c`` at several times zlib's CRC-32 rate) over
-its namespace id, key, parent key, token ids, KV shape and
-dtype and KV bytes: a flipped bit anywhere, a page stored under another key, or one of another
-geometry fails it. The byte form (disk files, Redis values) is::
+its namespace id, key, parent key, token ids, KV shape and dtype and KV bytes: a flipped bit
+anywhere, a page stored under another key, or one of another geometry fails it. The byte form
+(disk files, Redis values) is::
 
     b"KVPG" | u16 version | u16 len(namespace id) | u16 len(key) | u16 len(parent)
           | u32 num_tokens | u16 len(dtype name) | 5 x u32 KV shape (zeros: no KV)

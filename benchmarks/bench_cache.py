@@ -37,7 +37,7 @@ import itertools
 import random
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -76,16 +76,23 @@ def new_allocator(capacity: int, page: int) -> Any:
 
 
 def build(
-    kind: str, num_leaves: int, rng: random.Random, policy: str = "lru", page: int = 1
+    kind: str,
+    num_leaves: int,
+    rng: random.Random,
+    policy: str = "lru",
+    page: int = 1,
+    host_tier: bool = False,
 ) -> tuple[RadixCache, Any]:
-    """A cache filled to capacity with ``num_leaves`` evictable 64-token leaves under 8 prompts."""
+    """A cache filled to capacity with ``num_leaves`` evictable 64-token leaves under 8 prompts
+    (``host_tier``: with a host tier below it, see ``host_tier_storage``)."""
     capacity = num_leaves * SUFFIX_TOKENS + SYSTEM_PROMPTS * SYSTEM_TOKENS
     # the engine's running requests hold no memory here: every slot is cached and evictable
     allocator = new_allocator(capacity, page)
     if kind == "kvplug":
         registration = POLICIES[policy]
         options = registration.options_model()
-        cache = RadixCache(allocator, lambda: registration.factory(options))
+        storage = host_tier_storage(allocator) if host_tier else None
+        cache = RadixCache(allocator, lambda: registration.factory(options), storage=storage)
     else:
         cache = RebuildHeapRadixCache(allocator, RebuildHeapLRU)
     systems = [random_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
@@ -99,6 +106,34 @@ def build(
     allocator.alloc(allocator.available_size())  # the rare suffix collisions left a few slots
     cache.systems = systems  # type: ignore[attr-defined]
     return cache, allocator
+
+
+def host_tier_storage(allocator: Any) -> Callable[[str], Any]:
+    """The cache's ``storage`` factory: a host tier ten times the device pool, LRU-ranked."""
+    from kvplug.policies.builtin import LRUPolicy
+    from kvplug.tiers import TierHierarchy
+    from kvplug.tiers.host import HostTier, HostTierOptions
+    from kvplug_hookspecs import StorageConfig, TierContext, TierNamespace
+
+    namespace = TierNamespace(
+        model_id="bench", num_layers=1, kv_heads=1, head_dim=64, dtype="float16",
+        page_size=allocator.page_size, hash_function="kvplug-sha256",
+    )  # fmt: skip
+    context = TierContext(namespace, 1, 0, False, False, lambda _: LRUPolicy())
+
+    def storage(hash_function: str) -> TierHierarchy:
+        tier = HostTier(context, HostTierOptions(capacity_tokens=allocator.size * 10))
+        config = StorageConfig(background=BACKGROUND)
+        return TierHierarchy(
+            [tier],
+            config,
+            namespace,
+            pool=None,
+            page_size=allocator.page_size,
+            kv_bytes_per_token=256,
+        )
+
+    return storage
 
 
 def serve(
@@ -309,34 +344,6 @@ def compare_policies(
             del stacks
 
 
-def with_host_tier(cache: RadixCache, allocator: Any) -> RadixCache:
-    """The same cache contents' shape, rebuilt over a fresh allocator with a host tier below."""
-    from kvplug.policies.builtin import LRUPolicy
-    from kvplug.tiers import TierHierarchy
-    from kvplug.tiers.host import HostTier, HostTierOptions
-    from kvplug_hookspecs import StorageConfig, TierContext, TierNamespace
-
-    namespace = TierNamespace(
-        model_id="bench", num_layers=1, kv_heads=1, head_dim=64, dtype="float16",
-        page_size=allocator.page_size, hash_function="kvplug-sha256",
-    )  # fmt: skip
-    context = TierContext(namespace, 1, 0, False, False, lambda _: LRUPolicy())
-
-    def storage(hash_function: str) -> TierHierarchy:
-        tier = HostTier(context, HostTierOptions(capacity_tokens=allocator.size * 10))
-        config = StorageConfig(background=BACKGROUND)
-        return TierHierarchy(
-            [tier],
-            config,
-            namespace,
-            pool=None,
-            page_size=allocator.page_size,
-            kv_bytes_per_token=256,
-        )
-
-    return RadixCache(allocator, cache.policy.__class__, storage=storage)
-
-
 def compare_tiers(
     sizes: tuple[int, ...], requests: int, gc_on: bool, pages: tuple[int, ...]
 ) -> None:
@@ -349,21 +356,7 @@ def compare_tiers(
     )
     for workload, page, n in itertools.product(("shared", "multiturn"), pages, sizes):
         plain = build("kvplug", n, random.Random(0), page=page)
-        cache, allocator = build("kvplug", n, random.Random(0), page=page)
-        tiered = with_host_tier(cache, new_allocator(allocator.size, page))
-        del cache
-        tiered_alloc = tiered.allocator
-        rng = random.Random(0)  # the same prefill as build(): same tree, same leaves
-        systems = [random_tokens(rng, SYSTEM_TOKENS) for _ in range(SYSTEM_PROMPTS)]
-        for system in systems:
-            tiered.insert(system, tiered_alloc.alloc(SYSTEM_TOKENS))
-        for i in range(n):
-            key = systems[i % SYSTEM_PROMPTS] + random_tokens(rng, SUFFIX_TOKENS)
-            m = tiered.match_prefix(key)
-            new = tiered_alloc.alloc(len(key) - m.prefix_len)
-            tiered.insert(key, torch.cat([m.device_indices, new]))
-        tiered_alloc.alloc(tiered_alloc.available_size())
-        tiered.systems = systems  # type: ignore[attr-defined]
+        tiered, tiered_alloc = build("kvplug", n, random.Random(0), page=page, host_tier=True)
         stacks = [plain, (tiered, tiered_alloc)]
         maker = shared_prefix_keys if workload == "shared" else multiturn_keys
         keys = maker(plain[0], random.Random(1), requests, itertools.count(40_000))

@@ -1,12 +1,13 @@
 """Storage-tier copies against the raw figure of the same bytes, each a ratio in one run.
 
 * **host demote**: ``TierHierarchy.demote`` (inline, no worker) of a batch of pages of a real
-  pool: one gather out of the pool, the per-page host layout, a CRC-32 per page, the host
-  tier's put. Raw: a plain torch gather (``index_select``) of the same slots.
+  pool: one gather out of the pool, the per-page host layout, a CRC-32C per page, the host
+  tier's put. Raw: a plain torch gather (``index_select``) of as many slots of a tensor laid out
+  as the pool's KV (``[2, layers, slots, kv heads, head dim]``).
 * **host load**: ``TierHierarchy.load`` of those pages (get, check key, tokens, shape, dtype and
   checksum) and the write of their KV into the pool (``kvplug.caches.tiered.write_pages``),
-  what a match that hits the host does. Raw: a
-  plain ``index_copy_`` of the same bytes into the pool.
+  what a match that hits the host does. Raw: a plain ``index_copy_`` of the same bytes into that
+  tensor.
 * **redis put / get**: the ``redis`` tier's pipelined batch ``put`` (encode + checksum, one
   pipelined round trip of SETs) and ``get`` (one MGET, decode + checksum) on a real
   ``redis-server`` started for the run. Raw: the server's own ``redis-benchmark`` SET / GET
@@ -39,6 +40,7 @@ import torch
 
 import kvplug
 from kvplug.caches.tiered import write_pages
+from kvplug.tiers.pages import encode_page
 
 LAYERS, HEADS, DIM, PAGE = 8, 8, 128, 16
 
@@ -100,7 +102,8 @@ def host(batch: int, reps: int) -> list[tuple[str, float, float, str]]:
         storage.demote(keys, tokens, parents, slots)
 
     out = []
-    raw = median_rate(lambda: pool._kv.index_select(2, slots), gb, reps, lambda: None)
+    plain = torch.randn(2, LAYERS, batch * PAGE, HEADS, DIM).half()  # the pool's KV layout
+    raw = median_rate(lambda: plain.index_select(2, slots), gb, reps, lambda: None)
     ours = median_rate(demote, gb, reps, fresh)
     assert storage.stats.dropped_pages == 0
     out.append(("host demote", ours, raw, "GB/s"))
@@ -116,7 +119,7 @@ def host(batch: int, reps: int) -> list[tuple[str, float, float, str]]:
         write_pages(pool, slots, [p.kv for p in pages], PAGE)
 
     src = torch.randn(2, LAYERS, batch * PAGE, HEADS, DIM).half()
-    raw = median_rate(lambda: pool._kv.index_copy_(2, slots, src), gb, reps, lambda: None)
+    raw = median_rate(lambda: plain.index_copy_(2, slots, src), gb, reps, lambda: None)
     ours = median_rate(load, gb, reps, stored)
     assert storage.stats.corrupt_pages == 0
     out.append(("host load", ours, raw, "GB/s"))
@@ -180,7 +183,7 @@ def redis(batch: int, reps: int) -> list[tuple[str, float, float, str]]:
         storage.demote(keys, tokens, parents, slots)
         pages = tier.get(keys)
         assert all(p is not None for p in pages)
-        size = len(tier_value(tier, keys[0]))
+        size = len(encode_page(storage.namespace_id, pages[0]))  # the value the tier stores
         ours_put = median_rate(lambda: tier.put(pages), batch, reps, lambda: None)
         ours_get = median_rate(lambda: tier.get(keys), batch, reps, lambda: None)
         requests = batch * reps
@@ -195,12 +198,6 @@ def redis(batch: int, reps: int) -> list[tuple[str, float, float, str]]:
         proc.terminate()
         proc.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def tier_value(tier: Any, key: bytes) -> bytes:
-    """The stored value of ``key`` on the redis tier's server (its size is the raw run's)."""
-    value: bytes = tier._client.get(tier._name(key))
-    return value
 
 
 def main() -> None:

@@ -491,11 +491,14 @@ class Scheduler:
         t0 = time.perf_counter()
         n = request.computed
         keep = n if self.options.cache_output else request.prompt_len
-        tokens = tuple(request.prompt)  # a tuple (or a trace's tuple-backed prompt): no copy
-        if keep > len(tokens):
-            tokens += tuple(request.output[: keep - len(tokens)])
-        else:
-            tokens = tokens[:keep]
+        # a whole slice of a tuple (or of a trace's tuple-backed prompt) is that tuple: no
+        # copy (``tuple(prompt)`` of a trace's prompt iterates every token)
+        prompt = request.prompt
+        tokens = prompt[:keep]
+        if not isinstance(tokens, tuple):
+            tokens = tuple(tokens)
+        if keep > len(prompt):
+            tokens += tuple(request.output[: keep - len(prompt)])
         slots = request.slots
         key = CacheKey(tokens, request.extra_key)
         if self.is_swa:

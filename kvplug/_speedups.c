@@ -242,6 +242,66 @@ static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int w
     return 0;
 }
 
+/* Paged slots come as runs of consecutive ids, a page (or many) at a time. One pass finds the
+ * extremes and, when there are at most MAX_RUNS runs, the runs themselves; on them the checks
+ * below need one step per page instead of one per slot. */
+#define MAX_RUNS 256
+
+typedef struct {
+    Py_ssize_t start, end; /* positions: idx[start:end] are consecutive ids */
+} slot_run;
+
+/* lo / hi of idx[0:n] (0 / -1 when empty), and its runs into runs[]; returns how many, or -1
+ * when there are more than MAX_RUNS (lo / hi are still right). */
+static Py_ssize_t scan_runs(const int64_t *idx, Py_ssize_t n, long long *lo, long long *hi,
+                            slot_run *runs) {
+    Py_ssize_t r = 0;
+    *lo = 0;
+    *hi = -1;
+    if (n == 0) return 0;
+    *lo = *hi = idx[0];
+    for (Py_ssize_t i = 0, j; i < n; i = j) {
+        if (r == MAX_RUNS) { /* too many runs: the rest's extremes, slot by slot */
+            for (; i < n; i++) {
+                if (idx[i] < *lo) *lo = idx[i];
+                if (idx[i] > *hi) *hi = idx[i];
+            }
+            return -1;
+        }
+        for (j = i + 1; j < n && idx[j - 1] < INT64_MAX && idx[j] == idx[j - 1] + 1; j++) {
+        }
+        if (idx[i] < *lo) *lo = idx[i];
+        if (idx[j - 1] > *hi) *hi = idx[j - 1];
+        runs[r].start = i;
+        runs[r++].end = j;
+    }
+    return r;
+}
+
+/* The per-page checks on the runs of ids in range (>= 0), for div > 1: when no page is touched
+ * by two runs, the ids are distinct (a run's ids are, and runs on distinct pages share none) and
+ * the owner check reads each page once. Each page of each run gets its run's start position in
+ * unit_scratch (longer than hi / div), then reads it back. Returns 0 when two runs share a page
+ * (the caller scans slot by slot); 1 when decided: *first_bad is the first position whose page
+ * fails (state[u] == 0 when require < 0, else state[u] != require; -1: none, or no state). */
+static int check_page_runs(const int64_t *idx, const slot_run *runs, Py_ssize_t r, long long div,
+                           int64_t *unit_scratch, const int8_t *state, long long require,
+                           long long *first_bad) {
+    for (Py_ssize_t k = 0; k < r; k++)
+        for (int64_t u = idx[runs[k].start] / div; u <= idx[runs[k].end - 1] / div; u++)
+            unit_scratch[u] = runs[k].start;
+    *first_bad = -1;
+    for (Py_ssize_t k = 0; k < r; k++) {
+        int64_t first = idx[runs[k].start];
+        for (int64_t u = first / div; u <= idx[runs[k].end - 1] / div; u++) {
+            if (unit_scratch[u] != runs[k].start) return 0;
+            if (state && *first_bad < 0 && (require < 0 ? state[u] == 0 : state[u] != require))
+                *first_bad = runs[k].start + (u * div > first ? u * div - first : 0);
+        }
+    }
+    return 1;
+}
+
 /* check_slots(idx int64[n], state int8[units], div, require, low, high, scratch int64[],
  * set_to) -> (lo, hi, first_dup, first_bad). lo/hi are the extremes; when one is outside
  * [low, high] the other two are -1 and nothing else was read. first_dup: the first position
@@ -252,6 +312,7 @@ static PyObject *check_slots(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *idx_obj, *state_obj, *scratch_obj;
     long long div, require, low, high, set_to = -1;
     Py_buffer idx_b, state_b, scratch_b;
+    slot_run runs[MAX_RUNS];
     if (!PyArg_ParseTuple(args, "OOLLLLO|L:check_slots", &idx_obj, &state_obj, &div, &require,
                           &low, &high, &scratch_obj, &set_to))
         return NULL;
@@ -262,12 +323,8 @@ static PyObject *check_slots(PyObject *Py_UNUSED(self), PyObject *args) {
     if (get_buffer(idx_obj, &idx_b, 8, 0, "check_slots idx") < 0) return NULL;
     const int64_t *idx = (const int64_t *)idx_b.buf;
     Py_ssize_t n = idx_b.shape[0];
-    long long lo = 0, hi = -1, first_dup = -1, first_bad = -1;
-    if (n > 0) lo = hi = idx[0];
-    for (Py_ssize_t i = 1; i < n; i++) {
-        if (idx[i] < lo) lo = idx[i];
-        if (idx[i] > hi) hi = idx[i];
-    }
+    long long lo, hi, first_dup = -1, first_bad = -1;
+    Py_ssize_t r = scan_runs(idx, n, &lo, &hi, runs);
     if (n == 0 || lo < low || hi > high || state_obj == Py_None) {
         PyBuffer_Release(&idx_b);
         return Py_BuildValue("(LLLL)", lo, hi, first_dup, first_bad);
@@ -286,18 +343,31 @@ static PyObject *check_slots(PyObject *Py_UNUSED(self), PyObject *args) {
     if (hi >= scratch_b.shape[0] || hi / div >= state_b.shape[0]) {
         PyErr_SetString(PyExc_ValueError, "check_slots: scratch or state is too short");
     } else {
-        for (Py_ssize_t i = 0; i < n; i++) scratch[idx[i]] = i;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (first_dup < 0 && scratch[idx[i]] != i) first_dup = i;
-            if (first_bad < 0) {
-                int8_t s = state[idx[i] / div];
-                if (require < 0 ? s == 0 : s != require) first_bad = i;
+        /* scratch (longer than hi) also holds the page check's hi / div units */
+        int by_pages = div > 1 && lo >= 0 && r >= 0 &&
+                       check_page_runs(idx, runs, r, div, scratch, state, require, &first_bad);
+        if (!by_pages) {
+            first_bad = -1;
+            for (Py_ssize_t i = 0; i < n; i++) scratch[idx[i]] = i;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                if (first_dup < 0 && scratch[idx[i]] != i) first_dup = i;
+                if (first_bad < 0) {
+                    int8_t s = state[idx[i] / div];
+                    if (require < 0 ? s == 0 : s != require) first_bad = i;
+                }
+                if (first_dup >= 0 && first_bad >= 0) break;
             }
-            if (first_dup >= 0 && first_bad >= 0) break;
         }
         if (set_to >= 0 && first_dup < 0 && first_bad < 0) {
             int8_t *out = (int8_t *)state_b.buf;
-            for (Py_ssize_t i = 0; i < n; i++) out[idx[i] / div] = (int8_t)set_to;
+            if (by_pages) {
+                for (Py_ssize_t k = 0; k < r; k++)
+                    for (int64_t u = idx[runs[k].start] / div; u <= idx[runs[k].end - 1] / div;
+                         u++)
+                        out[u] = (int8_t)set_to;
+            } else {
+                for (Py_ssize_t i = 0; i < n; i++) out[idx[i] / div] = (int8_t)set_to;
+            }
         }
     }
     PyBuffer_Release(&idx_b);
@@ -317,6 +387,7 @@ static PyObject *release_slots(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *idx_obj, *state_obj, *scratch_obj, *unit_scratch_obj, *units_obj, *ids_obj;
     long long div, low, high, top, lo = 0, hi = -1, first_dup = -1, first_bad = -1, k = 0;
     Py_buffer b[6];
+    slot_run runs[MAX_RUNS];
     int got = 0, ok = 1;
     if (!PyArg_ParseTuple(args, "OOLLLOOOOL:release_slots", &idx_obj, &state_obj, &div, &low,
                           &high, &scratch_obj, &unit_scratch_obj, &units_obj, &ids_obj, &top))
@@ -341,11 +412,7 @@ static PyObject *release_slots(PyObject *Py_UNUSED(self), PyObject *args) {
     int64_t *scratch = (int64_t *)b[2].buf, *unit_scratch = (int64_t *)b[3].buf;
     int64_t *units = (int64_t *)b[4].buf, *ids = (int64_t *)b[5].buf;
     Py_ssize_t n = b[0].shape[0];
-    if (n > 0) lo = hi = idx[0];
-    for (Py_ssize_t i = 1; i < n; i++) {
-        if (idx[i] < lo) lo = idx[i];
-        if (idx[i] > hi) hi = idx[i];
-    }
+    Py_ssize_t r = scan_runs(idx, n, &lo, &hi, runs);
     if (n == 0 || lo < low || hi > high) goto done; /* nothing read or changed */
     if (top > b[5].shape[0] || (state && (hi >= b[2].shape[0] || hi / div >= b[1].shape[0])) ||
         (div > 1 && (hi / div >= b[3].shape[0] || b[4].shape[0] < n))) {
@@ -353,19 +420,30 @@ static PyObject *release_slots(PyObject *Py_UNUSED(self), PyObject *args) {
         ok = 0;
         goto done;
     }
-    if (state) {
+    /* pages touched by one run each: checked per page, and each page is a distinct unit, in
+     * run order (the last-occurrence order of the slot-by-slot path below) */
+    int by_pages = div > 1 && lo >= 0 && r >= 0 &&
+                   check_page_runs(idx, runs, r, div, unit_scratch, state, -1, &first_bad);
+    if (state && !by_pages) {
+        first_bad = -1;
         for (Py_ssize_t i = 0; i < n; i++) scratch[idx[i]] = i;
         for (Py_ssize_t i = 0; i < n; i++) {
             if (first_dup < 0 && scratch[idx[i]] != i) first_dup = i;
             if (first_bad < 0 && state[idx[i] / div] == 0) first_bad = i;
             if (first_dup >= 0 && first_bad >= 0) break;
         }
-        if (first_dup >= 0 || first_bad >= 0) goto done;
     }
+    if (first_dup >= 0 || first_bad >= 0) goto done;
     if (div == 1) {
         k = n;
         if (k > top) goto done;
         for (Py_ssize_t i = 0; i < n; i++) ids[top - k + i] = idx[i];
+    } else if (by_pages) {
+        for (Py_ssize_t q = 0; q < r; q++)
+            for (int64_t u = idx[runs[q].start] / div; u <= idx[runs[q].end - 1] / div; u++)
+                units[k++] = u;
+        if (k > top) goto done;
+        for (long long i = 0; i < k; i++) ids[top - k + i] = units[i];
     } else {
         for (Py_ssize_t i = 0; i < n; i++) unit_scratch[idx[i] / div] = i;
         for (Py_ssize_t i = 0; i < n; i++)

@@ -478,3 +478,83 @@ def test_release_slots_agrees_on_random_input(idx, state, div, top, tracked):
     ids = list(range(100, 116))
     args = (idx, state if tracked else None, div, ids, top)
     assert release("native", *args) == release("python", *args)
+
+
+# -- page runs: the compiled checks step per page when slots come as runs of whole pages ------
+
+
+def paged(kernel: str, name: str, idx, state, div: int, top: int = 0):
+    """check_slots (require: held, 1) or release_slots over 64 slots, on fresh buffers; returns
+    the result, the state after and, for release_slots, the stack ids."""
+    idx = np.asarray(idx, dtype=np.int64)
+    state = np.asarray(state, dtype=np.int8).copy()
+    high = 63
+    if name == "check_slots":
+        scratch = np.zeros(high + 1, dtype=np.int64)
+        result = run(kernel, name, idx, state, div, 1, div, high, scratch, 2)
+        return result, state.tolist()
+    ids = np.arange(100, 100 + 64, dtype=np.int64)
+    result = run(
+        kernel,
+        name,
+        idx,
+        state,
+        div,
+        div,
+        high,
+        np.zeros(high + 1, dtype=np.int64),
+        np.zeros(high // div + 1, dtype=np.int64),
+        np.zeros(max(idx.size, 1), dtype=np.int64),
+        ids,
+        top,
+    )
+    return result, state.tolist(), ids.tolist()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_page_runs_find_the_first_bad_slot_inside_a_run(kernel):
+    # pages of 4 slots: pages 1 and 3 held (1), page 2 free (0); one run over pages 1-2 from
+    # slot 6: the first slot of page 2 (8) is at position 2
+    state = [0, 1, 0, 1] + [1] * 12
+    assert paged(kernel, "check_slots", [6, 7, 8, 9], state, 4) == ((6, 9, -1, 2), state)
+    # runs on distinct pages, all held: every page becomes cached (2), the rest unchanged
+    after = [0, 2, 0, 2] + [1] * 12
+    assert paged(kernel, "check_slots", [12, 13, 14, 15, 4, 5], state, 4) == (
+        (4, 15, -1, -1),
+        after,
+    )
+    # two runs on one page (slot 5 twice): the slot-by-slot scan names the duplicate
+    assert paged(kernel, "check_slots", [4, 5, 12, 5], state, 4) == ((4, 12, 1, -1), state)
+    # release: pages 3 then 1, in run order, pushed below top 4; both become free
+    freed = [0, 0, 0, 0] + [1] * 12
+    ids = [100, 101, 3, 1, *range(104, 164)]
+    assert paged(kernel, "release_slots", [12, 13, 14, 15, 4], state, 4, top=4) == (
+        (4, 15, -1, -1, 2),
+        freed,
+        ids,
+    )
+    # release of a run reaching the free page 2: refused at its first slot, nothing changes
+    assert paged(kernel, "release_slots", [4, 5, 6, 7, 8], state, 4, top=4) == (
+        (4, 8, -1, 4, 0),
+        state,
+        list(range(100, 164)),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 63), st.integers(1, 12)), max_size=6),
+    state=st.lists(st.integers(0, 2), min_size=32, max_size=32),
+    div=st.sampled_from([2, 4, 16]),
+    top=st.integers(0, 16),
+)
+def test_page_runs_agree_with_the_reference(runs, state, div, top):
+    """Runs of consecutive slots (whole pages, parts of pages, overlapping or not, out of range
+    at the end): the compiled page-run path and the reference agree on every result."""
+    if not speedups.NATIVE_AVAILABLE:
+        pytest.skip("kvplug._speedups was not built")
+    idx = [slot for start, length in runs for slot in range(start, min(start + length, 70))]
+    units = state[: 64 // div]  # one state per page of the 64 slots
+    for name in ("check_slots", "release_slots"):
+        args = (name, idx, units, div, top)
+        assert paged("native", *args) == paged("python", *args)

@@ -106,8 +106,11 @@ def build(
     cache_reg = cast(PrefixCacheRegistration, resolved.prefix_cache.registration)
     if resolved.storage_tiers and not cache_reg.storage_tiers:
         raise ConfigError(
-            f"prefix cache {cache_reg.name!r} does not use storage tiers; "
-            "use 'radix' or 'block_hash', or remove storage.tiers"
+            f"prefix cache {cache_reg.name!r} does not use storage tiers: it neither demotes "
+            "evicted pages nor loads them (of the built-in caches only 'radix' and 'block_hash' "
+            "do; 'swa_radix' is left out because a prefix loaded without its sliding-window "
+            "KV could not be used, 'chunk' caches no prefixes); use 'radix' or 'block_hash', "
+            "or remove storage.tiers"
         )
 
     allocator = resolved.allocator.registration.factory(config.pool, resolved.allocator.options)

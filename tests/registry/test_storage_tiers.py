@@ -50,8 +50,17 @@ def test_a_tier_listed_twice_is_refused() -> None:
 
 
 def test_a_cache_without_tiers_is_refused_before_anything_is_built() -> None:
-    with pytest.raises(ConfigError, match="'chunk' does not use storage tiers"):
+    with pytest.raises(ConfigError, match="'chunk' does not use storage tiers: it neither"):
         kvplug.build(config(["host"], cache="chunk"))
+    swa = {
+        **config(["host"], cache="swa_radix"),
+        "allocator": {
+            "name": "swa",
+            "options": {"swa_capacity_tokens": 32, "sliding_window_size": 8},
+        },
+    }
+    with pytest.raises(ConfigError, match="'swa_radix' is left out because a prefix loaded"):
+        kvplug.build(swa)
 
 
 def test_no_tiers_means_no_hierarchy() -> None:

@@ -538,15 +538,32 @@ static PyObject *expand_units(PyObject *Py_UNUSED(self), PyObject *args) {
 
 /* -- token ids -------------------------------------------------------------------------------- */
 
-/* check_token_ids(ids tuple): every element an int (or has __index__, as array('q') accepts)
- * that fits in int64; raises naming the first bad position, as the Python reference does. */
-static PyObject *check_token_ids(PyObject *Py_UNUSED(self), PyObject *ids) {
+/* check_token_ids(ids tuple, known tuple | None = None) -> bool: every element an int (or has
+ * __index__, as array('q') accepts) that fits in int64; raises naming the first bad position,
+ * as the Python reference does. Returns whether every element is an exact int. `known`: a tuple
+ * that passed with True before; the leading positions of ids that hold the very objects known
+ * holds there (an insert's key after its match's: a pointer compare, no object read) are not
+ * read again. */
+static PyObject *check_token_ids(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ids, *known = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O:check_token_ids", &ids, &known)) return NULL;
     if (!PyTuple_Check(ids)) {
         PyErr_SetString(PyExc_TypeError, "check_token_ids takes a tuple");
         return NULL;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(ids);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    if (known != Py_None && !PyTuple_Check(known)) {
+        PyErr_SetString(PyExc_TypeError, "check_token_ids: known must be a tuple or None");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(ids), i = 0;
+    int exact = 1;
+    if (known != Py_None) {
+        Py_ssize_t m = PyTuple_GET_SIZE(known);
+        PyObject *const *a = &PyTuple_GET_ITEM(ids, 0), *const *b = &PyTuple_GET_ITEM(known, 0);
+        if (m > n) m = n;
+        while (i < m && a[i] == b[i]) i++;
+    }
+    for (; i < n; i++) {
         PyObject *v = PyTuple_GET_ITEM(ids, i), *index;
         int overflow;
         if (PyLong_CheckExact(v)) {
@@ -554,6 +571,7 @@ static PyObject *check_token_ids(PyObject *Py_UNUSED(self), PyObject *ids) {
             if (overflow) goto too_big;
             continue;
         }
+        exact = 0;
         if (!PyIndex_Check(v)) {
             const char *name = Py_TYPE(v)->tp_name, *dot = strrchr(name, '.');
             PyErr_Format(PyExc_TypeError, "token ids must be ints: position %zd is %R (%s)", i, v,
@@ -570,7 +588,7 @@ static PyObject *check_token_ids(PyObject *Py_UNUSED(self), PyObject *ids) {
         PyErr_Format(PyExc_ValueError, "token ids must fit in int64: position %zd is %R", i, v);
         return NULL;
     }
-    Py_RETURN_NONE;
+    return PyBool_FromLong(exact);
 }
 
 /* -- module ----------------------------------------------------------------------------------- */
@@ -584,7 +602,7 @@ static PyMethodDef methods[] = {
     {"release_slots", release_slots, METH_VARARGS, "A checked free into a free-id stack."},
     {"distinct_units", distinct_units, METH_VARARGS, "The distinct units (slot // div) of slots."},
     {"expand_units", expand_units, METH_VARARGS, "The slots of pages, in order."},
-    {"check_token_ids", check_token_ids, METH_O, "Every token id an int that fits in int64."},
+    {"check_token_ids", check_token_ids, METH_VARARGS, "Every token id an int that fits in int64."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -227,11 +227,19 @@ def expand_units(units: np.ndarray, div: int, out: np.ndarray) -> None:
     out[:n] = (units[:, None] * div + np.arange(div)).reshape(-1)
 
 
-def check_token_ids(ids: tuple[int, ...]) -> None:
+def check_token_ids(ids: tuple[int, ...], known: tuple[int, ...] | None = None) -> bool:
     """Every token id is an int (or has ``__index__``, as ``array('q')`` accepts) that fits in
-    int64; raises naming the first bad position. The common case is one C pass of ``array``."""
+    int64; raises naming the first bad position. The common case is one C pass of ``array``.
+
+    Returns whether every element is an exact ``int``. ``known``: a tuple that passed with
+    ``True`` before; the leading positions of ``ids`` holding the very objects ``known`` holds
+    there need no second look (an insert's key after its match's; the compiled kernel skips
+    them with a pointer compare, this reference checks them again: the result is the same).
+    """
     if not isinstance(ids, tuple):
         raise TypeError("check_token_ids takes a tuple")
+    if known is not None and not isinstance(known, tuple):
+        raise TypeError("check_token_ids: known must be a tuple or None")
     try:
         array("q", ids)
     except (TypeError, OverflowError):
@@ -247,6 +255,7 @@ def check_token_ids(ids: tuple[int, ...]) -> None:
                     f"token ids must fit in int64: position {pos} is {value!r}"
                 ) from None
         raise
+    return set(map(type, ids)) <= {int}
 
 
 _PYTHON = {

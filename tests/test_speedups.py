@@ -383,9 +383,10 @@ class Index:
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_check_token_ids_names_the_first_bad_position(kernel):
-    assert run(kernel, "check_token_ids", ()) is None
+    assert run(kernel, "check_token_ids", ()) is True
+    assert run(kernel, "check_token_ids", (0, 5, 2**63 - 1, -(2**63))) is True  # exact ints
     assert (
-        run(kernel, "check_token_ids", (0, 5, 2**63 - 1, -(2**63), Index(3), np.int64(4))) is None
+        run(kernel, "check_token_ids", (0, 5, 2**63 - 1, -(2**63), Index(3), np.int64(4))) is False
     )
     assert outcome(kernel, "check_token_ids", (1, 2.0, "x")) == (
         "TypeError",
@@ -400,6 +401,26 @@ def test_check_token_ids_names_the_first_bad_position(kernel):
         "token ids must fit in int64: position 0 is Index(-18446744073709551616)",
     )
     assert outcome(kernel, "check_token_ids", [1, 2])[0] == "TypeError"  # a tuple only
+    assert outcome(kernel, "check_token_ids", (1, 2), [1, 2])[0] == "TypeError"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_check_token_ids_after_a_known_tuple_checks_what_differs(kernel):
+    known = tuple(range(1000, 1008))  # ints above the small-int cache: distinct objects
+    assert run(kernel, "check_token_ids", known) is True
+    # the same objects first, then a bad one: found, at its position
+    assert outcome(kernel, "check_token_ids", known + (2.5,), known) == (
+        "TypeError",
+        "token ids must be ints: position 8 is 2.5 (float)",
+    )
+    assert run(kernel, "check_token_ids", known + (7,), known) is True
+    # equal values that are other objects are read and checked like any others
+    other = tuple(int(str(v)) for v in known[:4]) + (2**63,)
+    assert outcome(kernel, "check_token_ids", other, known) == (
+        "ValueError",
+        f"token ids must fit in int64: position 4 is {2**63}",
+    )
+    assert run(kernel, "check_token_ids", known[:3] + (Index(1),), known) is False
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

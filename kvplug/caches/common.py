@@ -108,14 +108,16 @@ def as_token_ids(token_ids: Any) -> tuple[int, ...]:
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
         raise TypeError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
     ids = tuple(token_ids)
-    speedups.check_token_ids(ids)  # one pass in C; raises naming the first bad position
-    if ids is token_ids:
+    # one pass in C, raising naming the first bad position; the leading ints that are the very
+    # objects of the last checked tuple are not read again (an insert's key after its match's)
+    if speedups.check_token_ids(ids, last):
         _last_checked[0] = ids  # held here, so its identity cannot be reused while remembered
     return ids
 
 
-# The last tuple of token ids that passed ``as_token_ids``: a tuple and its ints are immutable,
-# so the same object need not be scanned again (an engine matches, then inserts, one key).
+# The last tuple of token ids that passed ``as_token_ids`` made only of exact ints: a tuple and
+# its ints are immutable, so the same object need not be scanned again (an engine matches, then
+# inserts, one key), nor a later tuple's leading positions holding the same int objects.
 _last_checked: list[tuple[int, ...] | None] = [None]
 _INT64_CODES = frozenset("qlbhiBHI") if array("l").itemsize == 8 else frozenset("qbhiBHI")
 

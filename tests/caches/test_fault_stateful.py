@@ -189,3 +189,27 @@ class FaultMachine(RuleBasedStateMachine):
 )
 def test_faults_never_lose_or_share_a_slot(kind, page_size):
     run_state_machine_as_test(lambda: FaultMachine(kind, page_size), settings=SETTINGS)
+
+
+@pytest.mark.parametrize(
+    "kind, page_size", [("radix", 1), ("radix", 4), ("block_hash", 4), ("swa_radix", 1)]
+)
+def test_a_key_stored_while_the_policy_misbehaved_never_trips_a_later_unlock(kind, page_size):
+    """The sequence hypothesis found: an unorderable key is stored during an eviction that the
+    policy's rebuild survives; once the policy behaves again, unlocking the running request
+    (the next policy call, before any eviction) must rebuild first, not raise."""
+    m = FaultMachine(kind, page_size)
+    m.start_request(tokens=[0])
+    m.finish_request(pick=0)
+    m.start_request(tokens=[1, 2, 3, 4])
+    m.finish_request(pick=0)
+    m.start_request(tokens=[1, 2, 3, 4])
+    m.arm_free()
+    m.evict(n=1)
+    m.arm_free()
+    m.arm_policy(after=2, trap=("key", "incomparable"), which=0)
+    m.evict(n=1)
+    m.conservation_and_single_ownership()
+    m.teardown()  # disarms, unlocks every running request, evicts everything
+    m.conservation_and_single_ownership()
+    assert m.cache.total_size() == 0

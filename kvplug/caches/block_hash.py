@@ -233,6 +233,8 @@ class BlockHashCache(BuiltFromContext):
         raises ``PolicyError``.
         """
         ids, extra_key = check_key(key)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         matched = self._match_blocks(ids, extra_key)
         prefix_len = len(matched) * self.page_size
         if record_hit:
@@ -336,6 +338,8 @@ class BlockHashCache(BuiltFromContext):
     def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
         """Refresh the recency of ``key``'s cached blocks; no hit, no query counted."""
         ids, extra_key = check_key(key)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         self._stamp(self._match_blocks(ids, extra_key), hit=False, operation="touch_prefix")
 
     def path_indices(self, node: Any) -> torch.Tensor:
@@ -402,6 +406,8 @@ class BlockHashCache(BuiltFromContext):
         check_int(priority, "priority")
         if hits_after is not None:
             check_int(hits_after, "hits_after", minimum=0)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         page = self.page_size
         num_blocks = len(ids) // page
         aligned_len = num_blocks * page
@@ -592,6 +598,8 @@ class BlockHashCache(BuiltFromContext):
         ``dec_lock_ref`` with the same handle drops it.
         """
         block = self._check_handle(node)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         chain = self._chain_to_root(block)
         unlocked = [b for b in chain if b.ref_count == 0]
         for b in chain:
@@ -624,6 +632,8 @@ class BlockHashCache(BuiltFromContext):
                 f"dec_lock_ref on {block!r}, which holds no reference of its own: not locked "
                 "by this handle (an ancestor of a locked block, or the root, cannot be unlocked)"
             )
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         chain = self._chain_to_root(block)
         freed = [b for b in chain if b.ref_count == 1]
         for b in chain:

@@ -170,8 +170,9 @@ def rebuild_policies(
 
     A policy that still misbehaved while it was refilled may not have failed doing so (its
     keys compared among themselves, not with the keys it gives once it behaves again), so with
-    ``recheck`` the cache sets ``cache.policy_recheck``: its next ``evict`` rebuilds the view
-    once more, with the policy as it is then (``recheck=False``), before taking any victim.
+    ``recheck`` the cache sets ``cache.policy_recheck``: its next call that uses the policy
+    (``match_prefix``, ``touch_prefix``, ``insert``, a lock or an unlock, ``evict``) rebuilds
+    the view once more, with the policy as it is then (``recheck=False``), before using it.
     """
     try:
         for name in names:
@@ -373,8 +374,8 @@ class BuiltFromContext:
     """
 
     policy_recheck: bool = False
-    """A policy failed and its view was rebuilt: the next ``evict`` rebuilds it once more
-    (see :func:`rebuild_policies`)."""
+    """A policy failed and its view was rebuilt: the next call that uses the policy rebuilds it
+    once more (see :func:`rebuild_policies`)."""
 
     @classmethod
     def from_context(cls, context: PrefixCacheContext, options: Any = None) -> Any:

@@ -427,6 +427,8 @@ class RadixCache(BuiltFromContext):
         raises ``PolicyError``.
         """
         ids, extra_key = check_key(key)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         end = len(ids) - len(ids) % self.page_size
         try:
             node, pos, path = self._walk(ids, end, extra_key)
@@ -587,6 +589,8 @@ class RadixCache(BuiltFromContext):
         """Refresh the recency of ``key``'s cached path without counting a hit or a query
         (SGLang's ``touch_prefix`` for requests that keep waiting)."""
         ids, extra_key = check_key(key)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         end = len(ids) - len(ids) % self.page_size
         try:
             _, _, path = self._walk(ids, end, extra_key)
@@ -666,6 +670,8 @@ class RadixCache(BuiltFromContext):
         check_int(priority, "priority")
         if hits_after is not None:
             check_int(hits_after, "hits_after", minimum=0)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         end = len(ids) - len(ids) % self.page_size
         start = None if prev is None else self._resume_point(prev, ids, end, extra_key)
         if self._touch_all:
@@ -811,6 +817,8 @@ class RadixCache(BuiltFromContext):
         eviction candidate (its ancestors have children), so the policy hears of it alone.
         """
         self._check_handle(node)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         root = self.root
         if node.lock_ref == 0 and not node.children and node is not root:
             try:
@@ -837,6 +845,8 @@ class RadixCache(BuiltFromContext):
                 f"{node!r} is not locked by this handle: dec_lock_ref without inc_lock_ref on "
                 "it (an ancestor of a locked node, or the root, cannot be unlocked)"
             )
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync_policy(recheck=False)
         root = self.root
         if node.lock_ref == 1 and not node.children and node is not root:
             try:

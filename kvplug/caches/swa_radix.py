@@ -382,6 +382,8 @@ class SWARadixCache(BuiltFromContext):
         changes; a failing policy changes nothing and raises ``PolicyError``.
         """
         ids, extra_key = check_key(key)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync(recheck=False)
         end = len(ids) - len(ids) % self.page_size
         window = self.sliding_window_size
         path: list[SWARadixNode] = []
@@ -476,6 +478,8 @@ class SWARadixCache(BuiltFromContext):
                 f"page_size={self.page_size} (or the key length) between 0 and the key "
                 f"length {len(ids)}"
             )
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync(recheck=False)
         end = len(ids) - len(ids) % self.page_size
         parts = self._lookup(ids, end, extra_key)
         pos = parts[-1][1] + parts[-1][2] if parts else 0
@@ -644,6 +648,8 @@ class SWARadixCache(BuiltFromContext):
         """Lock the prefix ending at ``node``: full side up to the root, window side over its last
         ``sliding_window_size`` tokens. Returns the change of ``evictable_size()`` (<= 0)."""
         self._check_handle(node)
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync(recheck=False)
         root, window = self.root, self.sliding_window_size
         if node is root:
             root.swa_lock_spans = [*(root.swa_lock_spans or []), 0]
@@ -703,6 +709,8 @@ class SWARadixCache(BuiltFromContext):
                 f"{node!r} is not locked: dec_lock_ref without inc_lock_ref on this handle "
                 "(an ancestor of a locked node, or the root, cannot be unlocked)"
             )
+        if self.policy_recheck:  # a policy failed since its view was rebuilt: rebuild it first
+            self._resync(recheck=False)
         root = self.root
         if node is root:
             node.swa_lock_spans.pop()

@@ -231,8 +231,19 @@ def test_key_validation_memo_and_int64_arrays() -> None:
         with pytest.raises(TypeError, match="position 1"):
             common.as_token_ids(bad)
     assert common._last_checked[0] is key
-    assert common.as_token_ids([1, 2]) == (1, 2)  # a list is never remembered (mutable)
-    assert common._last_checked[0] is key
+    ids = [1, 2000, 3000]
+    checked = common.as_token_ids(ids)
+    assert checked == (1, 2000, 3000)
+    assert common._last_checked[0] is checked  # its own immutable copy, never the list
+    ids[1] = "x"  # the list changed: checked again, and the memo's ints do not hide it
+    with pytest.raises(TypeError, match="position 1"):
+        common.as_token_ids(ids)
+    # a new tuple that starts with the memo's very ints is checked from where it differs
+    longer = (*checked, 2**63)
+    with pytest.raises(ValueError, match="fit in int64: position 3"):
+        common.as_token_ids(longer)
+    assert common.as_token_ids((*checked, 4000)) == (1, 2000, 3000, 4000)
+    assert common.as_token_ids(key) is key
     assert common.as_token_ids(array("q", [3, -4])) == (3, -4)
     assert common.as_token_ids(array("I", [3, 4])) == (3, 4)
     with pytest.raises(ValueError, match="fit in int64: position 1"):

@@ -79,6 +79,7 @@ def main() -> None:
     print(f"free {free} + cached {cached} = {allocator.size}")
     for name, value in cache.stats.as_dict().items():
         print(f"  {name:28} {value:.3f}" if isinstance(value, float) else f"  {name:28} {value}")
+    stack.close()  # stores what the storage tiers still have queued, stops their worker
 
 
 if __name__ == "__main__":

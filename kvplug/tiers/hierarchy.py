@@ -30,12 +30,14 @@ dropped from a tier) are queued here and taken by the cache on its own thread
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -196,6 +198,7 @@ class TierHierarchy:
                 target=self._run, name="kvplug-tier-demotion", daemon=True
             )
             self._worker.start()
+            _WITH_WORKERS.add(self)
 
     # -- guarded tier calls -------------------------------------------------------------------
 
@@ -627,6 +630,7 @@ class TierHierarchy:
         if self._closed:
             return
         self._closed = True
+        _WITH_WORKERS.discard(self)
         if self._queue is not None and self._worker is not None:
             self._queue.put(None)
             self._worker.join()
@@ -645,3 +649,17 @@ class TierHierarchy:
     def __repr__(self) -> str:
         names = ", ".join(t.name for t in self.tiers)
         return f"TierHierarchy([{names}], write_policy={self.config.write_policy!r})"
+
+
+# Hierarchies whose demotion worker runs. A program that exits without ``close()`` (or
+# ``stack.close()``) would have the interpreter tear down torch under a worker still copying a
+# page: a C++ abort ("terminate called without an active exception") instead of an exit. At
+# exit each is closed: what is queued is stored, the worker stops.
+_WITH_WORKERS: weakref.WeakSet[TierHierarchy] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for hierarchy in list(_WITH_WORKERS):
+        with contextlib.suppress(Exception):
+            hierarchy.close()

@@ -87,8 +87,63 @@ static int set_long_field(PyObject *node, int f, long long value) {
 
 /* -- walk ------------------------------------------------------------------------------------- */
 
+/* The key being walked: a tuple of ints, or a 1-D buffer of int64 (SGLang's array('q') of a
+ * request's tokens), read in place so no token is boxed unless a dict lookup needs it. */
+typedef struct {
+    PyObject *tuple; /* NULL for a buffer */
+    Py_buffer view;
+    const int64_t *buf;
+    Py_ssize_t len;
+} Tokens;
+
+static const char tokens_error[] = "walk: ids must be a tuple or a 1-D int64 buffer";
+
+static int tokens_open(PyObject *ids, Tokens *t) {
+    t->tuple = NULL;
+    t->buf = NULL;
+    if (PyTuple_Check(ids)) {
+        t->tuple = ids;
+        t->len = PyTuple_GET_SIZE(ids);
+        return 0;
+    }
+    if (PyObject_GetBuffer(ids, &t->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_SetString(PyExc_TypeError, tokens_error);
+        return -1;
+    }
+    const char *f = t->view.format;
+    if (t->view.ndim != 1 || t->view.itemsize != 8 || f == NULL ||
+        (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyBuffer_Release(&t->view);
+        PyErr_SetString(PyExc_TypeError, tokens_error);
+        return -1;
+    }
+    t->buf = (const int64_t *)t->view.buf;
+    t->len = t->view.shape[0];
+    return 0;
+}
+
+static void tokens_close(Tokens *t) {
+    if (t->tuple == NULL) PyBuffer_Release(&t->view);
+}
+
+/* ids[pos:pos+n] as a new tuple (the dict key of a page). */
+static PyObject *tokens_slice(const Tokens *t, Py_ssize_t pos, Py_ssize_t n) {
+    if (t->tuple != NULL) return PyTuple_GetSlice(t->tuple, pos, pos + n);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(t->buf[pos + i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 /* The child of `node` that starts at ids[pos] (borrowed), or NULL with no error when none. */
-static PyObject *child_at(PyObject *node, PyObject *ids, Py_ssize_t pos, Py_ssize_t page,
+static PyObject *child_at(PyObject *node, const Tokens *t, Py_ssize_t pos, Py_ssize_t page,
                           PyObject *extra_key) {
     PyObject *children = get_field(node, F_CHILDREN), *first, *key, *child;
     if (children == NULL) return NULL;
@@ -96,13 +151,15 @@ static PyObject *child_at(PyObject *node, PyObject *ids, Py_ssize_t pos, Py_ssiz
         PyErr_SetString(PyExc_TypeError, "node.children must be a dict");
         return NULL;
     }
-    if (page == 1) {
-        first = PyTuple_GET_ITEM(ids, pos);
+    if (page == 1 && t->tuple != NULL) {
+        first = PyTuple_GET_ITEM(t->tuple, pos);
         Py_INCREF(first);
+    } else if (page == 1) {
+        first = PyLong_FromLongLong(t->buf[pos]);
     } else {
-        first = PyTuple_GetSlice(ids, pos, pos + page);
-        if (first == NULL) return NULL;
+        first = tokens_slice(t, pos, page);
     }
+    if (first == NULL) return NULL;
     if (extra_key != NULL) {
         key = PyTuple_Pack(2, extra_key, first);
         Py_DECREF(first);
@@ -116,11 +173,30 @@ static PyObject *child_at(PyObject *node, PyObject *ids, Py_ssize_t pos, Py_ssiz
 }
 
 /* 1 when ids[pos:pos+n] equals the tuple `key` of length n, 0 when not, -1 on error. */
-static int range_equal(PyObject *ids, Py_ssize_t pos, PyObject *key, Py_ssize_t n) {
-    PyObject **a = &PyTuple_GET_ITEM(ids, pos), **b = &PyTuple_GET_ITEM(key, 0);
+static int range_equal(const Tokens *t, Py_ssize_t pos, PyObject *key, Py_ssize_t n) {
+    PyObject **b = &PyTuple_GET_ITEM(key, 0);
+    if (t->tuple != NULL) {
+        PyObject **a = &PyTuple_GET_ITEM(t->tuple, pos);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (a[i] == b[i]) continue;
+            int eq = PyObject_RichCompareBool(a[i], b[i], Py_EQ);
+            if (eq <= 0) return eq;
+        }
+        return 1;
+    }
+    const int64_t *a = t->buf + pos;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (a[i] == b[i]) continue;
-        int eq = PyObject_RichCompareBool(a[i], b[i], Py_EQ);
+        if (PyLong_CheckExact(b[i])) { /* the tree's keys: plain ints */
+            int overflow;
+            long long v = PyLong_AsLongLongAndOverflow(b[i], &overflow);
+            if (v == -1 && PyErr_Occurred()) return -1;
+            if (overflow || v != a[i]) return 0;
+            continue;
+        }
+        PyObject *v = PyLong_FromLongLong(a[i]); /* another int-like key element */
+        if (v == NULL) return -1;
+        int eq = PyObject_RichCompareBool(v, b[i], Py_EQ);
+        Py_DECREF(v);
         if (eq <= 0) return eq;
     }
     return 1;
@@ -129,18 +205,21 @@ static int range_equal(PyObject *ids, Py_ssize_t pos, PyObject *key, Py_ssize_t 
 static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *root, *node, *ids, *extra_key, *child, *path, *mismatch = Py_None;
     Py_ssize_t pos, end, page;
-    if (!PyArg_ParseTuple(args, "OOO!nnnO:walk", &root, &node, &PyTuple_Type, &ids, &pos, &end,
-                          &page, &extra_key))
+    Tokens t;
+    if (!PyArg_ParseTuple(args, "OOOnnnO:walk", &root, &node, &ids, &pos, &end, &page,
+                          &extra_key))
         return NULL;
-    if (page < 1 || pos < 0 || end > PyTuple_GET_SIZE(ids)) {
+    if (tokens_open(ids, &t) < 0) return NULL;
+    if (page < 1 || pos < 0 || end > t.len) {
+        tokens_close(&t);
         PyErr_SetString(PyExc_ValueError, "walk: bad page size or range");
         return NULL;
     }
     path = PyList_New(0);
-    if (path == NULL) return NULL;
+    if (path == NULL) goto fail;
     if (pos < end) {
         if (check_node(node) < 0) goto fail;
-        child = child_at(node, ids, pos, page, node == root ? extra_key : NULL);
+        child = child_at(node, &t, pos, page, node == root ? extra_key : NULL);
         while (child != NULL) {
             long long num_tokens;
             PyObject *key;
@@ -153,7 +232,7 @@ static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *args) {
                 mismatch = child; /* the match ends inside this node: the caller splits it */
                 break;
             }
-            int eq = range_equal(ids, pos, key, (Py_ssize_t)num_tokens);
+            int eq = range_equal(&t, pos, key, (Py_ssize_t)num_tokens);
             if (eq < 0) goto fail;
             if (!eq) {
                 mismatch = child;
@@ -163,13 +242,15 @@ static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *args) {
             node = child;
             pos += (Py_ssize_t)num_tokens;
             if (pos >= end) break;
-            child = child_at(node, ids, pos, page, NULL);
+            child = child_at(node, &t, pos, page, NULL);
         }
         if (PyErr_Occurred()) goto fail;
     }
+    tokens_close(&t);
     return Py_BuildValue("(OnNO)", node, pos, path, mismatch);
 fail:
-    Py_DECREF(path);
+    tokens_close(&t);
+    Py_XDECREF(path);
     return NULL;
 }
 

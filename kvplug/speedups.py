@@ -60,15 +60,18 @@ def bind_node_type(cls: type) -> None:
 
 
 def walk(
-    root: Any, node: Any, ids: tuple[int, ...], pos: int, end: int, page: int, extra_key: Any
+    root: Any, node: Any, ids: Any, pos: int, end: int, page: int, extra_key: Any
 ) -> tuple[Any, int, list[Any], Any]:
     """Descend from ``node`` (whose path ends at ``pos``) along ``ids[pos:end]``.
 
-    A child is keyed by its first token (``page == 1``) or first page, under the root by
-    ``(extra_key, first)``. Returns ``(last, pos, path, mismatch)``: the last node whose whole
-    edge matched, where it ends, the nodes walked, and the child where the match ends inside
-    an edge (the caller splits it) or ``None``. Changes nothing.
+    ``ids`` is a tuple of ints or a 1-D int64 buffer (an ``array('q')``, SGLang's token
+    arrays: read in place, so a probe needs no tuple of the whole prompt). A child is keyed by
+    its first token (``page == 1``) or first page, under the root by ``(extra_key, first)``.
+    Returns ``(last, pos, path, mismatch)``: the last node whose whole edge matched, where it
+    ends, the nodes walked, and the child where the match ends inside an edge (the caller
+    splits it) or ``None``. Changes nothing.
     """
+    ids = _token_tuple(ids)
     if page < 1 or pos < 0 or end > len(ids):
         raise ValueError("walk: bad page size or range")
     path: list[Any] = []
@@ -86,6 +89,21 @@ def walk(
             break
         child = node.children.get(ids[pos] if page == 1 else ids[pos : pos + page])
     return node, pos, path, None
+
+
+def _token_tuple(ids: Any) -> tuple[int, ...]:
+    """``walk``'s key as a tuple: a tuple as it is, a 1-D int64 buffer converted."""
+    if isinstance(ids, tuple):
+        return ids
+    try:
+        view = memoryview(ids)
+    except TypeError:
+        view = None
+    if view is None or view.ndim != 1 or view.format not in ("q", "l") or view.itemsize != 8:
+        raise TypeError("walk: ids must be a tuple or a 1-D int64 buffer")
+    if not view.c_contiguous:
+        raise TypeError("walk: ids must be a tuple or a 1-D int64 buffer")
+    return tuple(view.tolist())
 
 
 def stamp_hits(path: list[Any], count: int, now: int) -> None:

@@ -142,36 +142,6 @@ static PyObject *tokens_slice(const Tokens *t, Py_ssize_t pos, Py_ssize_t n) {
     return out;
 }
 
-/* The child of `node` that starts at ids[pos] (borrowed), or NULL with no error when none. */
-static PyObject *child_at(PyObject *node, const Tokens *t, Py_ssize_t pos, Py_ssize_t page,
-                          PyObject *extra_key) {
-    PyObject *children = get_field(node, F_CHILDREN), *first, *key, *child;
-    if (children == NULL) return NULL;
-    if (!PyDict_Check(children)) {
-        PyErr_SetString(PyExc_TypeError, "node.children must be a dict");
-        return NULL;
-    }
-    if (page == 1 && t->tuple != NULL) {
-        first = PyTuple_GET_ITEM(t->tuple, pos);
-        Py_INCREF(first);
-    } else if (page == 1) {
-        first = PyLong_FromLongLong(t->buf[pos]);
-    } else {
-        first = tokens_slice(t, pos, page);
-    }
-    if (first == NULL) return NULL;
-    if (extra_key != NULL) {
-        key = PyTuple_Pack(2, extra_key, first);
-        Py_DECREF(first);
-        if (key == NULL) return NULL;
-    } else {
-        key = first;
-    }
-    child = PyDict_GetItemWithError(children, key);
-    Py_DECREF(key);
-    return child;
-}
-
 /* 1 when ids[pos:pos+n] equals the tuple `key` of length n, 0 when not, -1 on error. */
 static int range_equal(const Tokens *t, Py_ssize_t pos, PyObject *key, Py_ssize_t n) {
     PyObject **b = &PyTuple_GET_ITEM(key, 0);
@@ -200,6 +170,64 @@ static int range_equal(const Tokens *t, Py_ssize_t pos, PyObject *key, Py_ssize_
         if (eq <= 0) return eq;
     }
     return 1;
+}
+
+/* A buffer key's child by pages among few children: each child's dict key (its first page, under
+ * the root with the namespace) is compared with ids[pos:pos+page] in place, so no page tuple is
+ * built; the dict keys are distinct, so this finds the child the dict lookup would. */
+enum { SCAN_CHILDREN = 8 };
+
+static PyObject *scan_children(PyObject *children, const Tokens *t, Py_ssize_t pos,
+                               Py_ssize_t page, PyObject *extra_key) {
+    Py_ssize_t i = 0;
+    PyObject *key, *child;
+    while (PyDict_Next(children, &i, &key, &child)) {
+        PyObject *first = key;
+        if (extra_key != NULL) {
+            if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) continue;
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 0), extra_key, Py_EQ);
+            if (same < 0) return NULL;
+            if (!same) continue;
+            first = PyTuple_GET_ITEM(key, 1);
+        }
+        if (!PyTuple_Check(first) || PyTuple_GET_SIZE(first) != page) continue;
+        int eq = range_equal(t, pos, first, page);
+        if (eq < 0) return NULL;
+        if (eq) return child;
+    }
+    return NULL;
+}
+
+/* The child of `node` that starts at ids[pos] (borrowed), or NULL with no error when none. */
+static PyObject *child_at(PyObject *node, const Tokens *t, Py_ssize_t pos, Py_ssize_t page,
+                          PyObject *extra_key) {
+    PyObject *children = get_field(node, F_CHILDREN), *first, *key, *child;
+    if (children == NULL) return NULL;
+    if (!PyDict_Check(children)) {
+        PyErr_SetString(PyExc_TypeError, "node.children must be a dict");
+        return NULL;
+    }
+    if (page > 1 && t->tuple == NULL && PyDict_GET_SIZE(children) <= SCAN_CHILDREN)
+        return scan_children(children, t, pos, page, extra_key);
+    if (page == 1 && t->tuple != NULL) {
+        first = PyTuple_GET_ITEM(t->tuple, pos);
+        Py_INCREF(first);
+    } else if (page == 1) {
+        first = PyLong_FromLongLong(t->buf[pos]);
+    } else {
+        first = tokens_slice(t, pos, page);
+    }
+    if (first == NULL) return NULL;
+    if (extra_key != NULL) {
+        key = PyTuple_Pack(2, extra_key, first);
+        Py_DECREF(first);
+        if (key == NULL) return NULL;
+    } else {
+        key = first;
+    }
+    child = PyDict_GetItemWithError(children, key);
+    Py_DECREF(key);
+    return child;
 }
 
 static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *args) {

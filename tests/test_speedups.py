@@ -189,6 +189,25 @@ def test_walk_reads_an_int64_array_as_the_tuple_of_its_tokens(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("fanout", [3, 8, 9, 40])
+def test_walk_of_an_array_finds_each_child_by_its_first_page(kernel, fanout):
+    """Few children are compared in place, many are looked up by their page: the same child,
+    under the root (namespaced) and below it."""
+    root = RadixNode(0)
+    root.parent = None
+    top = node((5, 5), root, 2, extra_key="ns")
+    leaves = [node((i, 7, i, 8), top, 2) for i in range(fanout)]
+    for i, leaf in enumerate(leaves):
+        ids = array("q", (5, 5, i, 7, i, 8, 1))
+        assert run(kernel, "walk", root, root, ids, 0, 6, 2, "ns") == (leaf, 6, [top, leaf], None)
+        assert run(kernel, "walk", root, root, ids, 0, 6, 2, None) == (root, 0, [], None)
+        ids = array("q", (5, 5, i, 7, i, 9))  # the first page is the leaf's, the second is not
+        assert run(kernel, "walk", root, root, ids, 0, 6, 2, "ns") == (top, 2, [top], leaf)
+    ids = array("q", (5, 5, fanout, 7))
+    assert run(kernel, "walk", root, root, ids, 0, 4, 2, "ns") == (top, 2, [top], None)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_walk_refuses_keys_that_are_not_int64(kernel):
     root, *_ = tree(1)
     message = "walk: ids must be a tuple or a 1-D int64 buffer"

@@ -372,12 +372,8 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         else:
             found = self.cache.match_prefix(self._cache_key(key), record_hit=False, gather=False)
             node, prefix_len = found.last_node, found.prefix_len
-        return MatchResult(
-            device_prefix_len=prefix_len,
-            last_device_node=node,
-            last_host_node=node,
-            best_match_node=node,
-        )
+        # device_prefix_len, last_device_node, last_host_node, best_match_node
+        return MatchResult(prefix_len, node, node, node)
 
     def touch_prefix(self, key: Any) -> None:
         if not self.disable:

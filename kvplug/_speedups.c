@@ -96,7 +96,21 @@ typedef struct {
     Py_ssize_t len;
 } Tokens;
 
-static const char tokens_error[] = "walk: ids must be a tuple or a 1-D int64 buffer";
+/* A 1-D C-contiguous buffer of int64 ("q" or "l" items of 8 bytes); TypeError `error` if not. */
+static int open_int64(PyObject *obj, Py_buffer *view, const char *error) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_SetString(PyExc_TypeError, error);
+        return -1;
+    }
+    const char *f = view->format;
+    if (view->ndim != 1 || view->itemsize != 8 || f == NULL ||
+        (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, error);
+        return -1;
+    }
+    return 0;
+}
 
 static int tokens_open(PyObject *ids, Tokens *t) {
     t->tuple = NULL;
@@ -106,17 +120,8 @@ static int tokens_open(PyObject *ids, Tokens *t) {
         t->len = PyTuple_GET_SIZE(ids);
         return 0;
     }
-    if (PyObject_GetBuffer(ids, &t->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_SetString(PyExc_TypeError, tokens_error);
+    if (open_int64(ids, &t->view, "walk: ids must be a tuple or a 1-D int64 buffer") < 0)
         return -1;
-    }
-    const char *f = t->view.format;
-    if (t->view.ndim != 1 || t->view.itemsize != 8 || f == NULL ||
-        (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
-        PyBuffer_Release(&t->view);
-        PyErr_SetString(PyExc_TypeError, tokens_error);
-        return -1;
-    }
     t->buf = (const int64_t *)t->view.buf;
     t->len = t->view.shape[0];
     return 0;
@@ -604,6 +609,33 @@ static PyObject *check_token_ids(PyObject *Py_UNUSED(self), PyObject *ids) {
     Py_RETURN_NONE;
 }
 
+/* common_prefix(a, b, n): the length of the common prefix of a[:n] and b[:n], two 1-D int64
+ * buffers at least n long (SGLang's token arrays); one pass, no token boxed. */
+static PyObject *common_prefix(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *a_obj, *b_obj;
+    Py_ssize_t n, i = 0;
+    Py_buffer a, b;
+    static const char error[] = "common_prefix: a and b must be 1-D int64 buffers";
+    if (!PyArg_ParseTuple(args, "OOn:common_prefix", &a_obj, &b_obj, &n)) return NULL;
+    if (open_int64(a_obj, &a, error) < 0) return NULL;
+    if (open_int64(b_obj, &b, error) < 0) {
+        PyBuffer_Release(&a);
+        return NULL;
+    }
+    int ok = n >= 0 && n <= a.shape[0] && n <= b.shape[0];
+    if (ok) {
+        const int64_t *x = (const int64_t *)a.buf, *y = (const int64_t *)b.buf;
+        while (i < n && x[i] == y[i]) i++;
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "common_prefix: n must be within both buffers");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 /* -- module ----------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -616,6 +648,7 @@ static PyMethodDef methods[] = {
     {"distinct_units", distinct_units, METH_VARARGS, "The distinct units (slot // div) of slots."},
     {"expand_units", expand_units, METH_VARARGS, "The slots of pages, in order."},
     {"check_token_ids", check_token_ids, METH_O, "Every token id an int that fits in int64."},
+    {"common_prefix", common_prefix, METH_VARARGS, "The common prefix length of two int64 arrays."},
     {NULL, NULL, 0, NULL},
 };
 

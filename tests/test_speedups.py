@@ -566,6 +566,47 @@ def test_release_slots_agrees_on_random_input(idx, state, div, top, tracked):
     assert release("native", *args) == release("python", *args)
 
 
+# -- token arrays ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_common_prefix_of_two_token_arrays(kernel):
+    a = array("q", range(1000, 1300))
+    for cut in (0, 1, 15, 16, 17, 255, 299):
+        b = array("q", a)
+        b[cut] = -1
+        assert run(kernel, "common_prefix", a, b, 300) == cut
+        assert run(kernel, "common_prefix", a, b, cut) == cut
+    assert run(kernel, "common_prefix", a, array("q", a), 300) == 300
+    assert run(kernel, "common_prefix", a, np.arange(1000, 1010), 10) == 10
+    assert run(kernel, "common_prefix", a, a, 0) == 0
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_common_prefix_refuses_short_or_foreign_buffers(kernel):
+    a = array("q", (1, 2, 3))
+    wrong = "common_prefix: a and b must be 1-D int64 buffers"
+    for b in ((1, 2, 3), array("i", (1, 2, 3)), np.ones((1, 3), dtype=np.int64)):
+        assert outcome(kernel, "common_prefix", a, b, 3) == ("TypeError", wrong)
+        assert outcome(kernel, "common_prefix", b, a, 3) == ("TypeError", wrong)
+    short = ("ValueError", "common_prefix: n must be within both buffers")
+    assert outcome(kernel, "common_prefix", a, array("q", (1, 2)), 3) == short
+    assert outcome(kernel, "common_prefix", a, a, -1) == short
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40),
+    b=st.lists(st.integers(0, 2), max_size=40),
+)
+def test_common_prefix_agrees_on_random_arrays(a, b):
+    x, y = array("q", a + b), array("q", a + b[::-1])
+    n = min(len(x), len(y))
+    expected = next((i for i in range(n) if x[i] != y[i]), n)
+    assert run("python", "common_prefix", x, y, n) == expected
+    assert run("native", "common_prefix", x, y, n) == expected
+
+
 # -- the radix cache's probe over an int64 array -----------------------------------------------
 
 

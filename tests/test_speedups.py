@@ -681,3 +681,30 @@ def test_an_insert_after_an_array_probe_that_split_a_node_gives_the_tuple_result
         prev = MatchResult(slots[:0], last, 6)
         assert tree.insert(tokens, torch.cat((slots, tree.allocator.alloc(2))), prev=prev) == 6
     assert _shape(cache) == _shape(twin)
+
+
+def test_probe_prefix_with_storage_tiers_is_the_probe_match():
+    """With a storage hierarchy the probe is ``match_prefix``'s (the tiers key pages by the
+    tuple): the device prefix only, the tiers' pages located and not loaded."""
+    import kvplug
+    from kvplug import EvictParams
+
+    stack = kvplug.build(
+        {
+            "allocator": "paged",
+            "pool": {"capacity_tokens": 64, "page_size": 4, "device": "cpu", "store_kv": False},
+            "storage": {"tiers": [{"name": "host"}], "background": False},
+        }
+    )
+    cache, allocator = stack.prefix_cache, stack.allocator
+    head, tail = list(range(8)), list(range(8, 16))
+    first = allocator.alloc(8)
+    cache.insert(CacheKey(head), first)
+    cache.insert(CacheKey(head + tail), torch.cat([first, allocator.alloc(8)]))
+    cache.match_prefix(CacheKey(head + tail))  # its pages get their digests
+    assert cache.evict(EvictParams(num_tokens=8)).num_tokens == 8  # the tail goes to the host
+    free = allocator.available_size()
+    node, length = cache.probe_prefix(array("q", head + tail + [99]), 17)
+    assert (length, node.depth + node.num_tokens) == (8, 8)
+    assert allocator.available_size() == free  # located only: nothing loaded
+    assert cache.match_prefix(CacheKey(head + tail + [99])).prefix_len == 16  # a match loads

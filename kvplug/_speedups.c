@@ -87,8 +87,124 @@ static int set_long_field(PyObject *node, int f, long long value) {
 
 /* -- walk ------------------------------------------------------------------------------------- */
 
+/* The key being walked: a tuple of ints, or a 1-D buffer of int64 (SGLang's array('q') of a
+ * request's tokens), read in place so no token is boxed unless a dict lookup needs it. */
+typedef struct {
+    PyObject *tuple; /* NULL for a buffer */
+    Py_buffer view;
+    const int64_t *buf;
+    Py_ssize_t len;
+} Tokens;
+
+/* A 1-D C-contiguous buffer of int64 ("q" or "l" items of 8 bytes); TypeError `error` if not. */
+static int open_int64(PyObject *obj, Py_buffer *view, const char *error) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_SetString(PyExc_TypeError, error);
+        return -1;
+    }
+    const char *f = view->format;
+    if (view->ndim != 1 || view->itemsize != 8 || f == NULL ||
+        (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, error);
+        return -1;
+    }
+    return 0;
+}
+
+static int tokens_open(PyObject *ids, Tokens *t) {
+    t->tuple = NULL;
+    t->buf = NULL;
+    if (PyTuple_Check(ids)) {
+        t->tuple = ids;
+        t->len = PyTuple_GET_SIZE(ids);
+        return 0;
+    }
+    if (open_int64(ids, &t->view, "walk: ids must be a tuple or a 1-D int64 buffer") < 0)
+        return -1;
+    t->buf = (const int64_t *)t->view.buf;
+    t->len = t->view.shape[0];
+    return 0;
+}
+
+static void tokens_close(Tokens *t) {
+    if (t->tuple == NULL) PyBuffer_Release(&t->view);
+}
+
+/* ids[pos:pos+n] as a new tuple (the dict key of a page). */
+static PyObject *tokens_slice(const Tokens *t, Py_ssize_t pos, Py_ssize_t n) {
+    if (t->tuple != NULL) return PyTuple_GetSlice(t->tuple, pos, pos + n);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(t->buf[pos + i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* 1 when ids[pos:pos+n] equals the tuple `key` of length n, 0 when not, -1 on error. */
+static int range_equal(const Tokens *t, Py_ssize_t pos, PyObject *key, Py_ssize_t n) {
+    PyObject **b = &PyTuple_GET_ITEM(key, 0);
+    if (t->tuple != NULL) {
+        PyObject **a = &PyTuple_GET_ITEM(t->tuple, pos);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (a[i] == b[i]) continue;
+            int eq = PyObject_RichCompareBool(a[i], b[i], Py_EQ);
+            if (eq <= 0) return eq;
+        }
+        return 1;
+    }
+    const int64_t *a = t->buf + pos;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyLong_CheckExact(b[i])) { /* the tree's keys: plain ints */
+            int overflow;
+            long long v = PyLong_AsLongLongAndOverflow(b[i], &overflow);
+            if (v == -1 && PyErr_Occurred()) return -1;
+            if (overflow || v != a[i]) return 0;
+            continue;
+        }
+        PyObject *v = PyLong_FromLongLong(a[i]); /* another int-like key element */
+        if (v == NULL) return -1;
+        int eq = PyObject_RichCompareBool(v, b[i], Py_EQ);
+        Py_DECREF(v);
+        if (eq <= 0) return eq;
+    }
+    return 1;
+}
+
+/* A buffer key's child by pages among few children: each child's dict key (its first page, under
+ * the root with the namespace) is compared with ids[pos:pos+page] in place, so no page tuple is
+ * built; the dict keys are distinct, so this finds the child the dict lookup would. */
+enum { SCAN_CHILDREN = 8 };
+
+static PyObject *scan_children(PyObject *children, const Tokens *t, Py_ssize_t pos,
+                               Py_ssize_t page, PyObject *extra_key) {
+    Py_ssize_t i = 0;
+    PyObject *key, *child;
+    while (PyDict_Next(children, &i, &key, &child)) {
+        PyObject *first = key;
+        if (extra_key != NULL) {
+            if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) continue;
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 0), extra_key, Py_EQ);
+            if (same < 0) return NULL;
+            if (!same) continue;
+            first = PyTuple_GET_ITEM(key, 1);
+        }
+        if (!PyTuple_Check(first) || PyTuple_GET_SIZE(first) != page) continue;
+        int eq = range_equal(t, pos, first, page);
+        if (eq < 0) return NULL;
+        if (eq) return child;
+    }
+    return NULL;
+}
+
 /* The child of `node` that starts at ids[pos] (borrowed), or NULL with no error when none. */
-static PyObject *child_at(PyObject *node, PyObject *ids, Py_ssize_t pos, Py_ssize_t page,
+static PyObject *child_at(PyObject *node, const Tokens *t, Py_ssize_t pos, Py_ssize_t page,
                           PyObject *extra_key) {
     PyObject *children = get_field(node, F_CHILDREN), *first, *key, *child;
     if (children == NULL) return NULL;
@@ -96,13 +212,17 @@ static PyObject *child_at(PyObject *node, PyObject *ids, Py_ssize_t pos, Py_ssiz
         PyErr_SetString(PyExc_TypeError, "node.children must be a dict");
         return NULL;
     }
-    if (page == 1) {
-        first = PyTuple_GET_ITEM(ids, pos);
+    if (page > 1 && t->tuple == NULL && PyDict_GET_SIZE(children) <= SCAN_CHILDREN)
+        return scan_children(children, t, pos, page, extra_key);
+    if (page == 1 && t->tuple != NULL) {
+        first = PyTuple_GET_ITEM(t->tuple, pos);
         Py_INCREF(first);
+    } else if (page == 1) {
+        first = PyLong_FromLongLong(t->buf[pos]);
     } else {
-        first = PyTuple_GetSlice(ids, pos, pos + page);
-        if (first == NULL) return NULL;
+        first = tokens_slice(t, pos, page);
     }
+    if (first == NULL) return NULL;
     if (extra_key != NULL) {
         key = PyTuple_Pack(2, extra_key, first);
         Py_DECREF(first);
@@ -115,32 +235,24 @@ static PyObject *child_at(PyObject *node, PyObject *ids, Py_ssize_t pos, Py_ssiz
     return child;
 }
 
-/* 1 when ids[pos:pos+n] equals the tuple `key` of length n, 0 when not, -1 on error. */
-static int range_equal(PyObject *ids, Py_ssize_t pos, PyObject *key, Py_ssize_t n) {
-    PyObject **a = &PyTuple_GET_ITEM(ids, pos), **b = &PyTuple_GET_ITEM(key, 0);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (a[i] == b[i]) continue;
-        int eq = PyObject_RichCompareBool(a[i], b[i], Py_EQ);
-        if (eq <= 0) return eq;
-    }
-    return 1;
-}
-
 static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *root, *node, *ids, *extra_key, *child, *path, *mismatch = Py_None;
     Py_ssize_t pos, end, page;
-    if (!PyArg_ParseTuple(args, "OOO!nnnO:walk", &root, &node, &PyTuple_Type, &ids, &pos, &end,
-                          &page, &extra_key))
+    Tokens t;
+    if (!PyArg_ParseTuple(args, "OOOnnnO:walk", &root, &node, &ids, &pos, &end, &page,
+                          &extra_key))
         return NULL;
-    if (page < 1 || pos < 0 || end > PyTuple_GET_SIZE(ids)) {
+    if (tokens_open(ids, &t) < 0) return NULL;
+    if (page < 1 || pos < 0 || end > t.len) {
+        tokens_close(&t);
         PyErr_SetString(PyExc_ValueError, "walk: bad page size or range");
         return NULL;
     }
     path = PyList_New(0);
-    if (path == NULL) return NULL;
+    if (path == NULL) goto fail;
     if (pos < end) {
         if (check_node(node) < 0) goto fail;
-        child = child_at(node, ids, pos, page, node == root ? extra_key : NULL);
+        child = child_at(node, &t, pos, page, node == root ? extra_key : NULL);
         while (child != NULL) {
             long long num_tokens;
             PyObject *key;
@@ -153,7 +265,7 @@ static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *args) {
                 mismatch = child; /* the match ends inside this node: the caller splits it */
                 break;
             }
-            int eq = range_equal(ids, pos, key, (Py_ssize_t)num_tokens);
+            int eq = range_equal(&t, pos, key, (Py_ssize_t)num_tokens);
             if (eq < 0) goto fail;
             if (!eq) {
                 mismatch = child;
@@ -163,13 +275,15 @@ static PyObject *walk(PyObject *Py_UNUSED(self), PyObject *args) {
             node = child;
             pos += (Py_ssize_t)num_tokens;
             if (pos >= end) break;
-            child = child_at(node, ids, pos, page, NULL);
+            child = child_at(node, &t, pos, page, NULL);
         }
         if (PyErr_Occurred()) goto fail;
     }
+    tokens_close(&t);
     return Py_BuildValue("(OnNO)", node, pos, path, mismatch);
 fail:
-    Py_DECREF(path);
+    tokens_close(&t);
+    Py_XDECREF(path);
     return NULL;
 }
 
@@ -591,6 +705,33 @@ static PyObject *check_token_ids(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyBool_FromLong(exact);
 }
 
+/* common_prefix(a, b, n): the length of the common prefix of a[:n] and b[:n], two 1-D int64
+ * buffers at least n long (SGLang's token arrays); one pass, no token boxed. */
+static PyObject *common_prefix(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *a_obj, *b_obj;
+    Py_ssize_t n, i = 0;
+    Py_buffer a, b;
+    static const char error[] = "common_prefix: a and b must be 1-D int64 buffers";
+    if (!PyArg_ParseTuple(args, "OOn:common_prefix", &a_obj, &b_obj, &n)) return NULL;
+    if (open_int64(a_obj, &a, error) < 0) return NULL;
+    if (open_int64(b_obj, &b, error) < 0) {
+        PyBuffer_Release(&a);
+        return NULL;
+    }
+    int ok = n >= 0 && n <= a.shape[0] && n <= b.shape[0];
+    if (ok) {
+        const int64_t *x = (const int64_t *)a.buf, *y = (const int64_t *)b.buf;
+        while (i < n && x[i] == y[i]) i++;
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "common_prefix: n must be within both buffers");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 /* -- module ----------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -603,6 +744,7 @@ static PyMethodDef methods[] = {
     {"distinct_units", distinct_units, METH_VARARGS, "The distinct units (slot // div) of slots."},
     {"expand_units", expand_units, METH_VARARGS, "The slots of pages, in order."},
     {"check_token_ids", check_token_ids, METH_VARARGS, "Every token id an int that fits in int64."},
+    {"common_prefix", common_prefix, METH_VARARGS, "The common prefix length of two int64 arrays."},
     {NULL, NULL, 0, NULL},
 };
 

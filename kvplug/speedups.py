@@ -25,6 +25,7 @@ __all__ = [
     "bind_node_type",
     "check_slots",
     "check_token_ids",
+    "common_prefix",
     "distinct_units",
     "expand_units",
     "lock_path",
@@ -60,15 +61,18 @@ def bind_node_type(cls: type) -> None:
 
 
 def walk(
-    root: Any, node: Any, ids: tuple[int, ...], pos: int, end: int, page: int, extra_key: Any
+    root: Any, node: Any, ids: Any, pos: int, end: int, page: int, extra_key: Any
 ) -> tuple[Any, int, list[Any], Any]:
     """Descend from ``node`` (whose path ends at ``pos``) along ``ids[pos:end]``.
 
-    A child is keyed by its first token (``page == 1``) or first page, under the root by
-    ``(extra_key, first)``. Returns ``(last, pos, path, mismatch)``: the last node whose whole
-    edge matched, where it ends, the nodes walked, and the child where the match ends inside
-    an edge (the caller splits it) or ``None``. Changes nothing.
+    ``ids`` is a tuple of ints or a 1-D int64 buffer (an ``array('q')``, SGLang's token
+    arrays: read in place, so a probe needs no tuple of the whole prompt). A child is keyed by
+    its first token (``page == 1``) or first page, under the root by ``(extra_key, first)``.
+    Returns ``(last, pos, path, mismatch)``: the last node whose whole edge matched, where it
+    ends, the nodes walked, and the child where the match ends inside an edge (the caller
+    splits it) or ``None``. Changes nothing.
     """
+    ids = _token_tuple(ids)
     if page < 1 or pos < 0 or end > len(ids):
         raise ValueError("walk: bad page size or range")
     path: list[Any] = []
@@ -86,6 +90,19 @@ def walk(
             break
         child = node.children.get(ids[pos] if page == 1 else ids[pos : pos + page])
     return node, pos, path, None
+
+
+def _token_tuple(ids: Any) -> tuple[int, ...]:
+    """``walk``'s key as a tuple: a tuple as it is, a 1-D int64 buffer converted."""
+    if isinstance(ids, tuple):
+        return ids
+    try:
+        view = memoryview(ids)
+    except TypeError:
+        view = None
+    if view is None or not _is_int64_vector(view):
+        raise TypeError("walk: ids must be a tuple or a 1-D int64 buffer")
+    return tuple(view.tolist())
 
 
 def stamp_hits(path: list[Any], count: int, now: int) -> None:
@@ -258,6 +275,41 @@ def check_token_ids(ids: tuple[int, ...], known: tuple[int, ...] | None = None) 
     return set(map(type, ids)) <= {int}
 
 
+def common_prefix(a: Any, b: Any, n: int) -> int:
+    """The length of the common prefix of ``a[:n]`` and ``b[:n]``, two 1-D int64 buffers (e.g.
+    SGLang's ``array('q')`` of a request's tokens) at least ``n`` long. Here by galloping windows
+    and bisection: O(log n) C-level slice compares, no Python loop per token."""
+    views = []
+    for buffer in (a, b):
+        try:
+            view = memoryview(buffer)
+        except TypeError:
+            view = None
+        if view is None or not _is_int64_vector(view):
+            raise TypeError("common_prefix: a and b must be 1-D int64 buffers")
+        views.append(view)
+    x, y = views
+    if n < 0 or n > len(x) or n > len(y):
+        raise ValueError("common_prefix: n must be within both buffers")
+    lo, step = 0, 16
+    while lo < n:
+        hi = min(lo + step, n)
+        if x[lo:hi] != y[lo:hi]:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if x[lo:mid] == y[lo:mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            return lo
+        lo, step = hi, step * 2
+    return n
+
+
+def _is_int64_vector(view: memoryview) -> bool:
+    return view.ndim == 1 and view.itemsize == 8 and view.format in ("q", "l") and view.c_contiguous
+
+
 _PYTHON = {
     "walk": walk,
     "stamp_hits": stamp_hits,
@@ -267,6 +319,7 @@ _PYTHON = {
     "release_slots": release_slots,
     "expand_units": expand_units,
     "check_token_ids": check_token_ids,
+    "common_prefix": common_prefix,
 }
 
 

@@ -7,20 +7,25 @@ allocator suites run on both kernels too (the ``both_kernels`` fixture in ``test
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import shutil
 import subprocess
 import sys
 import sysconfig
+from array import array
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplug import speedups
-from kvplug.caches.radix import RadixNode
+from kvplug.caches.radix import RadixCache, RadixNode
+from kvplug_hookspecs import CacheKey, MatchResult
+from tests.cache_helpers import make_allocator
 
 KERNELS = ("python", "native")
 
@@ -144,6 +149,83 @@ def test_walk_refuses_bad_arguments(kernel):
     assert outcome(kernel, "walk", root, root, (1, 2), 0, 2, 0, None)[0] == "ValueError"
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_walk_reads_an_int64_array_as_the_tuple_of_its_tokens(kernel):
+    """SGLang's ``array('q')`` of a request's tokens is walked in place: the same node, length,
+    path and split point as the tuple of the same tokens, at page 1 and by pages."""
+    root, a, _b, c, d, e = tree(1)
+    ids = array("q", (1, 2, 3, 4, 7, 8, 9, 10, 11))
+    assert run(kernel, "walk", root, root, ids, 0, 9, 1, None) == (c, 8, [a, c], None)
+    assert run(kernel, "walk", root, root, ids, 0, 6, 1, None) == (a, 4, [a], c)
+    assert run(kernel, "walk", root, a, ids, 4, 8, 1, None) == (c, 8, [c], None)
+    assert run(kernel, "walk", root, root, array("q", (1, 2, 9)), 0, 3, 1, None) == (
+        root,
+        0,
+        [],
+        a,
+    )
+    assert run(kernel, "walk", root, root, array("q", (1, 2, 3, 3)), 0, 4, 1, "ns") == (
+        e,
+        4,
+        [d, e],
+        None,
+    )
+    root, a, b, c, _, _ = tree(2)
+    assert run(kernel, "walk", root, root, array("q", (1, 2, 3, 4, 5, 6)), 0, 6, 2, None) == (
+        b,
+        6,
+        [a, b],
+        None,
+    )
+    assert run(kernel, "walk", root, root, array("q", (1, 2, 3, 4, 7, 8, 0)), 0, 6, 2, None) == (
+        a,
+        4,
+        [a],
+        c,
+    )
+    # a NumPy int64 vector is a 1-D int64 buffer too
+    vector = np.array([1, 2, 3, 4, 5, 6], dtype=np.int64)
+    assert run(kernel, "walk", root, root, vector, 0, 6, 2, None) == (b, 6, [a, b], None)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("fanout", [3, 8, 9, 40])
+def test_walk_of_an_array_finds_each_child_by_its_first_page(kernel, fanout):
+    """Few children are compared in place, many are looked up by their page: the same child,
+    under the root (namespaced) and below it."""
+    root = RadixNode(0)
+    root.parent = None
+    top = node((5, 5), root, 2, extra_key="ns")
+    leaves = [node((i, 7, i, 8), top, 2) for i in range(fanout)]
+    for i, leaf in enumerate(leaves):
+        ids = array("q", (5, 5, i, 7, i, 8, 1))
+        assert run(kernel, "walk", root, root, ids, 0, 6, 2, "ns") == (leaf, 6, [top, leaf], None)
+        assert run(kernel, "walk", root, root, ids, 0, 6, 2, None) == (root, 0, [], None)
+        ids = array("q", (5, 5, i, 7, i, 9))  # the first page is the leaf's, the second is not
+        assert run(kernel, "walk", root, root, ids, 0, 6, 2, "ns") == (top, 2, [top], leaf)
+    ids = array("q", (5, 5, fanout, 7))
+    assert run(kernel, "walk", root, root, ids, 0, 4, 2, "ns") == (top, 2, [top], None)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_walk_refuses_keys_that_are_not_int64(kernel):
+    root, *_ = tree(1)
+    message = "walk: ids must be a tuple or a 1-D int64 buffer"
+    for ids in (
+        [1, 2],
+        array("i", (1, 2)),
+        np.array([1, 2], dtype=np.int32),
+        np.array([[1, 2]], dtype=np.int64),
+        memoryview(array("q", (1, 2, 3, 4)))[::2],
+        b"ab",
+    ):
+        assert outcome(kernel, "walk", root, root, ids, 0, 1, 1, None) == ("TypeError", message)
+    assert outcome(kernel, "walk", root, root, array("q", (1, 2)), 0, 3, 1, None) == (
+        "ValueError",
+        "walk: bad page size or range",
+    )
+
+
 def random_tree(rng: random.Random, page: int):
     """A random radix tree over a tiny alphabet (many shared prefixes) and its key list."""
     root = RadixNode(0)
@@ -202,7 +284,11 @@ def test_walk_agrees_on_random_trees(page):
                 ids = base + ids
             end = rng.randint(0, len(ids))
             args = (root, root, ids, 0, end, page, "x")
-            assert run("native", "walk", *args) == run("python", "walk", *args)
+            expected = run("python", "walk", *args)
+            assert run("native", "walk", *args) == expected
+            as_array = (root, root, array("q", ids), 0, end, page, "x")
+            assert run("native", "walk", *as_array) == expected
+            assert run("python", "walk", *as_array) == expected
 
 
 # -- statistics and locks ----------------------------------------------------------------------
@@ -579,3 +665,147 @@ def test_page_runs_agree_with_the_reference(runs, state, div, top):
     for name in ("check_slots", "release_slots"):
         args = (name, idx, units, div, top)
         assert paged("native", *args) == paged("python", *args)
+
+
+# -- token arrays ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_common_prefix_of_two_token_arrays(kernel):
+    a = array("q", range(1000, 1300))
+    for cut in (0, 1, 15, 16, 17, 255, 299):
+        b = array("q", a)
+        b[cut] = -1
+        assert run(kernel, "common_prefix", a, b, 300) == cut
+        assert run(kernel, "common_prefix", a, b, cut) == cut
+    assert run(kernel, "common_prefix", a, array("q", a), 300) == 300
+    assert run(kernel, "common_prefix", a, np.arange(1000, 1010), 10) == 10
+    assert run(kernel, "common_prefix", a, a, 0) == 0
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_common_prefix_refuses_short_or_foreign_buffers(kernel):
+    a = array("q", (1, 2, 3))
+    wrong = "common_prefix: a and b must be 1-D int64 buffers"
+    for b in ((1, 2, 3), array("i", (1, 2, 3)), np.ones((1, 3), dtype=np.int64)):
+        assert outcome(kernel, "common_prefix", a, b, 3) == ("TypeError", wrong)
+        assert outcome(kernel, "common_prefix", b, a, 3) == ("TypeError", wrong)
+    short = ("ValueError", "common_prefix: n must be within both buffers")
+    assert outcome(kernel, "common_prefix", a, array("q", (1, 2)), 3) == short
+    assert outcome(kernel, "common_prefix", a, a, -1) == short
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40),
+    b=st.lists(st.integers(0, 2), max_size=40),
+)
+def test_common_prefix_agrees_on_random_arrays(a, b):
+    x, y = array("q", a + b), array("q", a + b[::-1])
+    n = min(len(x), len(y))
+    expected = next((i for i in range(n) if x[i] != y[i]), n)
+    assert run("python", "common_prefix", x, y, n) == expected
+    assert run("native", "common_prefix", x, y, n) == expected
+
+
+# -- the radix cache's probe over an int64 array -----------------------------------------------
+
+
+def _shape(cache: RadixCache) -> list[tuple[int, int, tuple[int, ...]]]:
+    return sorted((n.depth, n.num_tokens, n.key) for n in cache._nodes())
+
+
+def _two_prompts(page: int) -> tuple[RadixCache, tuple[int, ...]]:
+    """Two cached prompts of 16 tokens sharing their first 8: a node of 8 with two leaves."""
+    allocator = make_allocator(128, page)
+    cache = RadixCache(allocator, page_size=page)
+    first = tuple(range(100, 116))
+    cache.insert(first, allocator.alloc(16))
+    shared = cache.match_prefix(first[:8]).device_indices
+    cache.insert(first[:8] + tuple(range(200, 208)), torch.cat((shared, allocator.alloc(8))))
+    return cache, first
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_probe_prefix_of_an_array_is_the_probe_match_of_its_tuple(page):
+    """``probe_prefix`` gives ``match_prefix(record_hit=False, gather=False)``'s node and
+    length, splits where it splits, honours the length and the namespace, records nothing."""
+    cache, first = _two_prompts(page)
+    stats = cache.stats.as_dict()
+    for tokens, length, extra_key, expected in (
+        (first + (7, 7, 7), 19, None, 16),  # the first prompt and a tail nothing caches
+        (first, 12, None, 12),  # cut by the length: ends inside the first prompt's leaf
+        (first[:8] + (300, 301, 302, 303), 12, None, 8),  # ends where the prompts part
+        (first[:6] + (9,) * 6, 12, None, 6 if page == 1 else 4),  # inside the shared node
+        (first, 16, "lora", 0),  # another namespace: nothing cached there
+        ((), 0, None, 0),
+    ):
+        twin = copy.deepcopy(cache)
+        node, matched = cache.probe_prefix(array("q", tokens), length, extra_key)
+        found = twin.match_prefix(
+            CacheKey(tokens[:length], extra_key), record_hit=False, gather=False
+        )
+        assert matched == found.prefix_len == expected
+        assert node.depth + node.num_tokens == expected
+        assert (node.depth, node.key) == (found.last_node.depth, found.last_node.key)
+        assert _shape(cache) == _shape(twin)
+    assert cache.stats.as_dict() == stats
+
+
+def test_probe_prefix_refuses_what_is_not_an_int64_array():
+    cache, first = _two_prompts(1)
+    before = _shape(cache)
+    for args, error in (
+        ((list(first), 4), TypeError),
+        ((first, 4), TypeError),
+        ((array("i", first), 4), TypeError),
+        ((array("q", first), 17), ValueError),
+        ((array("q", first), -1), ValueError),
+        ((array("q", first), 4, 5), TypeError),
+    ):
+        with pytest.raises(error):
+            cache.probe_prefix(*args)
+    assert _shape(cache) == before
+
+
+def test_an_insert_after_an_array_probe_that_split_a_node_gives_the_tuple_result():
+    """A node split by an array probe has no path hash yet: an insert continuing from it walks
+    from the root instead, with the same tree and the same cached length."""
+    cache, first = _two_prompts(1)
+    twin = copy.deepcopy(cache)
+    tokens = first[:6] + (9, 9)
+    node, length = cache.probe_prefix(array("q", tokens), 8)
+    found = twin.match_prefix(CacheKey(tokens), record_hit=False, gather=False)
+    assert (length, node.path_hash) == (6, 0)
+    for tree, last in ((cache, node), (twin, found.last_node)):
+        slots = tree.path_indices(last)
+        prev = MatchResult(slots[:0], last, 6)
+        assert tree.insert(tokens, torch.cat((slots, tree.allocator.alloc(2))), prev=prev) == 6
+    assert _shape(cache) == _shape(twin)
+
+
+def test_probe_prefix_with_storage_tiers_is_the_probe_match():
+    """With a storage hierarchy the probe is ``match_prefix``'s (the tiers key pages by the
+    tuple): the device prefix only, the tiers' pages located and not loaded."""
+    import kvplug
+    from kvplug import EvictParams
+
+    stack = kvplug.build(
+        {
+            "allocator": "paged",
+            "pool": {"capacity_tokens": 64, "page_size": 4, "device": "cpu", "store_kv": False},
+            "storage": {"tiers": [{"name": "host"}], "background": False},
+        }
+    )
+    cache, allocator = stack.prefix_cache, stack.allocator
+    head, tail = list(range(8)), list(range(8, 16))
+    first = allocator.alloc(8)
+    cache.insert(CacheKey(head), first)
+    cache.insert(CacheKey(head + tail), torch.cat([first, allocator.alloc(8)]))
+    cache.match_prefix(CacheKey(head + tail))  # its pages get their digests
+    assert cache.evict(EvictParams(num_tokens=8)).num_tokens == 8  # the tail goes to the host
+    free = allocator.available_size()
+    node, length = cache.probe_prefix(array("q", head + tail + [99]), 17)
+    assert (length, node.depth + node.num_tokens) == (8, 8)
+    assert allocator.available_size() == free  # located only: nothing loaded
+    assert cache.match_prefix(CacheKey(head + tail + [99])).prefix_len == 16  # a match loads

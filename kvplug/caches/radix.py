@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -93,6 +94,7 @@ __all__ = ["RadixCache", "RadixCacheOptions", "RadixNode"]
 
 log = logging.getLogger(__name__)
 
+_INT64_CODES = frozenset("ql") if array("l").itemsize == 8 else frozenset("q")
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # a node's slots before insert and once freed
 
 
@@ -269,13 +271,18 @@ class RadixCache(BuiltFromContext):
     # -- lookup and insert ----------------------------------------------------------------------
 
     def _split(
-        self, child: RadixNode, length: int, ids: tuple[int, ...], extra_key: str | None
+        self,
+        child: RadixNode,
+        length: int,
+        ids: tuple[int, ...] | array[int],
+        extra_key: str | None,
     ) -> RadixNode:
         """Cut ``child`` after ``length`` tokens; a new node takes the head and child's place.
 
         The tail keeps its identity (a lock handle stays valid). ``ids`` is the key being walked
-        (the head's content, for ``path_hash``). The tree is relinked before the policy hears
-        of it, so a failing policy leaves a consistent tree (and a resync fixes it).
+        (the head's content, for ``path_hash``; an array key leaves it ``0``, unknown until a
+        tuple walk ends there). The tree is relinked before the policy hears of it, so a
+        failing policy leaves a consistent tree (and a resync fixes it).
         """
         parent = cast(RadixNode, child.parent)
         head = RadixNode(child.creation_time, child.priority, child.owner)
@@ -284,7 +291,7 @@ class RadixCache(BuiltFromContext):
         head.lock_ref = child.lock_ref
         head.depth, head.namespace, head.new_tokens = child.depth, child.namespace, child.new_tokens
         head.content_id = child.content_id  # the head starts where the child started
-        head.path_hash = hash((extra_key, ids[: child.depth + length]))
+        head.path_hash = hash((extra_key, ids[: child.depth + length])) if type(ids) is tuple else 0
         head.parent, head.edge = parent, child.edge
         head.key, head.num_tokens = child.key[:length], length
         head.path_value = child.path_value[: child.depth + length]
@@ -305,7 +312,7 @@ class RadixCache(BuiltFromContext):
 
     def _walk(
         self,
-        ids: tuple[int, ...],
+        ids: tuple[int, ...] | array[int],
         end: int,
         extra_key: str | None,
         node: RadixNode | None = None,
@@ -317,17 +324,23 @@ class RadixCache(BuiltFromContext):
         One step is a dict lookup and one C-level compare of the whole edge; the page-wise
         bisection (``common_len``) runs only on the node where the match ends. No statistic
         changes here (see ``_stamp``), so a failure leaves nothing to undo but the policy.
+        ``ids`` may be an int64 ``array`` (``probe_prefix``): read in place, only the tokens
+        of the node where the match ends are converted.
         """
         page = self.page_size
         node, pos, path, inside = speedups.walk(
             self.root, self.root if node is None else node, ids, pos, end, page, extra_key
         )
         if inside is not None:  # the match ends inside this node: split it there
-            nxt = pos + common_len(inside.key, ids, pos, end, page)
+            if type(ids) is tuple:
+                nxt = pos + common_len(inside.key, ids, pos, end, page)
+            else:
+                part = tuple(ids[pos : min(end, pos + inside.num_tokens)])
+                nxt = pos + common_len(inside.key, part, 0, len(part), page)
             node = self._split(inside, nxt - pos, ids, extra_key)
             path.append(node)
             pos = nxt
-        if not node.path_hash and pos:  # a new leaf, or cut by an exact eviction since
+        if not node.path_hash and pos and type(ids) is tuple:  # a new leaf, or cut since
             node.path_hash = hash((extra_key, ids[:pos]))
         return node, pos, path
 
@@ -451,6 +464,36 @@ class RadixCache(BuiltFromContext):
         return MatchResult(
             device_indices=indices, last_node=node, prefix_len=pos, tier_tokens=tier_tokens
         )
+
+    def probe_prefix(
+        self, ids: array[int], length: int, extra_key: str | None = None
+    ) -> tuple[RadixNode, int]:
+        """``match_prefix(CacheKey(ids[:length], extra_key), record_hit=False, gather=False)``
+        for an int64 ``array`` of token ids, walked in place: the node and the matched length.
+
+        SGLang keeps each request's tokens in one ``array('q')`` and probes every waiting
+        request each round; a tuple of the prompt would box every token for a walk that only
+        compares them. Same result and the same split as ``match_prefix``; with storage tiers
+        it is ``match_prefix`` (their page digests need the tuple).
+        """
+        if type(ids) is not array or ids.typecode not in _INT64_CODES:
+            raise TypeError(f"probe_prefix takes an int64 array, got {type(ids).__name__}")
+        check_int(length, "length", minimum=0)
+        if length > len(ids):
+            raise ValueError(f"length {length} is longer than the {len(ids)} token ids")
+        if extra_key is not None and not isinstance(extra_key, str):
+            raise TypeError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
+        if self.storage is not None:
+            found = self.match_prefix(
+                CacheKey(tuple(ids[:length]), extra_key), record_hit=False, gather=False
+            )
+            return found.last_node, found.prefix_len
+        try:
+            node, pos, _ = self._walk(ids, length - length % self.page_size, extra_key)
+        except Exception as exc:
+            self._resync_policy()
+            raise policy_error(self.policy, "probe_prefix", exc) from exc
+        return node, pos
 
     def prefetch(self, key: CacheKey | Sequence[int]) -> int:
         """A request with ``key`` was queued: start copying the pages of its prefix that only

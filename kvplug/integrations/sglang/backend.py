@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchPrefixParams,
     MatchResult,
 )
+from sglang.srt.mem_cache.common import coalesce_ranges
 
 from kvplug_hookspecs import CacheCleared, CacheKey, ComponentSelection, PrefixCacheContext
 from kvplug_hookspecs import EvictParams as KvplugEvictParams
@@ -140,6 +142,13 @@ class NoAllocator:
         pass
 
 
+def _namespace(extra_key: Any, cache_salt: Any) -> Any:
+    """The kvplug namespace of an SGLang key: its ``extra_key``, joined by its salt."""
+    if cache_salt:
+        return f"{extra_key}{NAMESPACE_SEPARATOR}{cache_salt}"
+    return extra_key
+
+
 def _device_of(allocator: Any) -> torch.device:
     device = getattr(allocator, "device", None)
     return torch.device(device) if isinstance(device, (str, torch.device)) else torch.device("cpu")
@@ -243,8 +252,10 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         )
         self._cache_kind = registry.resolve("prefix_cache", cache_selection)
         self._events = registry.cache_events()
-        # insert(prev=...) continues from the request's last node (radix only)
-        self._resumable = config.prefix_cache == "radix"
+        # radix only: probes walk SGLang's token arrays in place (probe_prefix), and
+        # insert(prev=...) continues from the request's last node
+        self._radix = config.prefix_cache == "radix"
+        self._resumable = self._radix
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._kv_events: SGLangKVEvents | None = None
         # --kv-events-config: SGLang's recorder, our events (a disabled tree reports none)
@@ -340,10 +351,7 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         return self._key(ids, length - length % self.page_size, key.extra_key, key.cache_salt)
 
     def _key(self, ids: Any, aligned: int, extra_key: Any, cache_salt: Any) -> CacheKey:
-        namespace = extra_key
-        if cache_salt:
-            namespace = f"{namespace}{NAMESPACE_SEPARATOR}{cache_salt}"
-        return CacheKey(self._tuples.get(ids, aligned), namespace)
+        return CacheKey(self._tuples.get(ids, aligned), _namespace(extra_key, cache_salt))
 
     # -- match ----------------------------------------------------------------------------------
 
@@ -352,14 +360,20 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         if self.disable:
             root = self.root_node
             return MatchResult(0, root, root, root)
-        found = self.cache.match_prefix(self._cache_key(params.key), record_hit=False, gather=False)
-        node = found.last_node
-        return MatchResult(
-            device_prefix_len=found.prefix_len,
-            last_device_node=node,
-            last_host_node=node,
-            best_match_node=node,
-        )
+        key = params.key
+        ids = key.token_ids
+        if self._radix and type(ids) is array and not key.is_bigram:
+            # SGLang's token array, walked in place: no tuple of the prompt for a probe
+            length = len(ids)
+            if key.limit is not None and key.limit < length:
+                length = key.limit
+            namespace = _namespace(key.extra_key, key.cache_salt)
+            node, prefix_len = self.cache.probe_prefix(ids, length, namespace)
+        else:
+            found = self.cache.match_prefix(self._cache_key(key), record_hit=False, gather=False)
+            node, prefix_len = found.last_node, found.prefix_len
+        # device_prefix_len, last_device_node, last_host_node, best_match_node
+        return MatchResult(prefix_len, node, node, node)
 
     def touch_prefix(self, key: Any) -> None:
         if not self.disable:
@@ -368,6 +382,21 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
     def path_device_indices(self, node: Any) -> torch.Tensor:
         indices: torch.Tensor = self.cache.path_indices(node)
         return indices
+
+    def prefix_device_indices(self, req: Any) -> torch.Tensor:
+        """The slots of the request's matched prefix: a copy of its node's path, sliced only
+        when the prefix ends before the node (a match ends at its node: SGLang's base method
+        always slices)."""
+        indices: torch.Tensor = self.cache.path_indices(req.last_node)
+        length = req.prefix_len
+        if indices.shape[0] == length:
+            return indices
+        if indices.shape[0] < length:
+            raise RuntimeError(
+                f"kvplug backend: request {req.rid} matched {length} tokens, "
+                f"its node holds {indices.shape[0]}"
+            )
+        return indices[:length]
 
     # -- insert ---------------------------------------------------------------------------------
 
@@ -435,6 +464,15 @@ class KvplugPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang is unt
         self.unlock(req.lock)
         req.lock = self.lock(node)
         req.last_node = node
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        """SGLang's ``free_kv_row`` without its sliding-window split (the backend refuses SWA
+        models, so every range goes back to the full pool): the row's ranges, adjacent ones
+        merged (a page is freed once), in one ``free_segments`` call."""
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        segments = [(row[start:end], start) for start, end in coalesce_ranges(ranges)]
+        if segments:
+            self.token_to_kv_pool_allocator.free_segments(segments)
 
     # -- eviction and locks ---------------------------------------------------------------------
 

@@ -260,29 +260,34 @@ class S3FIFORank(BlockRank):
 
     def _victim(self, remove: bool) -> int:
         small, main = self._queues[self._S], self._queues[self._M]
+        tokens, freq, table_tokens = self._tokens, self._freq, self._table.tokens
         while True:
-            total = self._tokens[self._S] + self._tokens[self._M]
-            if len(small) and (self._tokens[self._S] > self._small * total or not len(main)):
-                block_id = small.peek()
-                if self._freq[block_id] > 0:  # reused while in S: promote to M
+            small_tokens = tokens[self._S]
+            if small._live and (
+                small_tokens > self._small * (small_tokens + tokens[self._M]) or not main._live
+            ):
+                queue, block_id = small, small.peek()
+                if freq[block_id] > 0:  # reused while in S: promote to M
                     self._leave(block_id)
                     self._at_tail(block_id, self._M)
                     self._enter(block_id)
                     continue
             else:
-                block_id = main.peek()
+                queue, block_id = main, main.peek()
                 if block_id < 0:
                     return -1
-                freq = self._freq[block_id]
-                if freq > 0:  # second chance: back to M's tail
+                if freq[block_id] > 0:  # second chance: back to M's tail
+                    left = freq[block_id] - 1
                     self._leave(block_id)
                     self._at_tail(block_id, self._M)
-                    self._freq[block_id] = freq - 1
+                    freq[block_id] = left
                     self._enter(block_id)
                     continue
-            if remove:
-                self._leave(block_id)
-                self._stamp[block_id] = -1  # evicted: its state goes
+            if remove:  # evicted: it leaves its queue and its state goes
+                queue._entry[block_id] = -1
+                queue._live -= 1
+                tokens[self._queue[block_id]] -= table_tokens[block_id]
+                self._stamp[block_id] = -1
             return block_id
 
     def pop(self) -> int:

@@ -251,8 +251,8 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         tail = self.fake_free_list_tail
         last_block = tail.prev_free_block
         assert last_block is not None, "prev_free_block of fake_free_list_tail should always exist"
-        content, last = self._table.content, self._table.last
-        tracked, num_children, add = self._tracked, self._num_children, self._rank.add
+        last, tracked, num_children = self._table.last, self._tracked, self._num_children
+        add = self._rank.add
         clock = self._clock
         for block in blocks:
             block.prev_free_block = last_block
@@ -262,10 +262,6 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             if block_hash is None:
                 continue  # unhashed: reused in vLLM's order
             block_id = block.block_id
-            if content[block_id] is not block_hash:  # content the pool cached unseen
-                self._clock = clock
-                self._renew(block, 0)
-                clock = self._clock
             tracked[block_id] = 1
             clock += 1
             last[block_id] = clock
@@ -361,29 +357,28 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         self._clock = clock
 
     def on_hits(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Requests reused these cached blocks (vLLM touched them when admitting a request)."""
-        content, last, hits = self._table.content, self._table.last, self._table.hits
-        clock = self._clock
-        for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is None:
-                continue
-            block_id = block.block_id
-            if content[block_id] is not block_hash:  # e.g. its hashes were moved in
-                self._clock = clock
-                self._renew(block, 0)
-                clock = self._clock
-            clock += 1
-            hits[block_id] += 1
-            last[block_id] = clock
-        self._clock = clock
+        """Requests reused these cached blocks (vLLM touched them when admitting a request).
 
-    def on_hash_removed(self, block: KVCacheBlock) -> None:
-        """``block`` lost (or changed) its hashes outside ``get_new_blocks``: chain links
-        through it go; new hashes are new content, renewed when the block is next seen."""
-        if self._table.content[block.block_id] is not None:
-            self._hash_removed(block.block_id)
-            self._table.content[block.block_id] = None
+        A hit does not tick the clock: a block is ranked only once freed again, and its free
+        sets its recency (what every policy reads when the block becomes a candidate)."""
+        hits = self._table.hits
+        for block in blocks:
+            if block.block_hash is not None:
+                hits[block.block_id] += 1
+
+    def on_hashes_changed(self, block: KVCacheBlock) -> None:
+        """``block`` lost or changed its hashes outside ``get_new_blocks`` and
+        ``cache_full_blocks``: chain links through its old content go; new hashes are new
+        content (every content change is seen here or in :meth:`on_cached`, so the free and
+        hit paths need not check)."""
+        block_id = block.block_id
+        if block.block_hash is self._table.content[block_id]:
+            return
+        if block.block_hash is not None:
+            self._renew(block, 0)
+        elif self._table.content[block_id] is not None:
+            self._hash_removed(block_id)
+            self._table.content[block_id] = None
 
     def _hash_removed(self, block_id: int) -> None:
         """The content ``block_id`` held is gone: its parent may become a leaf, its children
@@ -430,10 +425,9 @@ def _hook_pool(block_pool: BlockPool, queue: PolicyFreeBlockQueue, chains: froze
     # newer vLLM only; hooked when present
     base_move_block_hashes: Any = getattr(block_pool, "move_block_hashes", None)
     base_cache_partial_block: Any = getattr(block_pool, "cache_partial_block", None)
-    content = queue._table.content
     base_unpin_blocks = cls.unpin_blocks.__get__(block_pool)
     base_reset_prefix_cache = cls.reset_prefix_cache.__get__(block_pool)
-    on_hits, on_cached, on_hash_removed = queue.on_hits, queue.on_cached, queue.on_hash_removed
+    on_hits, on_cached, on_hashes_changed = queue.on_hits, queue.on_cached, queue.on_hashes_changed
 
     def touch(blocks: Sequence[KVCacheBlock]) -> None:
         base_touch(blocks)
@@ -462,22 +456,19 @@ def _hook_pool(block_pool: BlockPool, queue: PolicyFreeBlockQueue, chains: froze
         chained = kv_cache_group_id in chains
         on_cached(blocks, num_cached_blocks, num_full_blocks, block_size, chained)
 
-    def lost_hashes(blocks: Iterable[KVCacheBlock]) -> None:
-        for block in blocks:
-            if block.block_hash is not content[block.block_id]:
-                on_hash_removed(block)
-
     def evict_blocks(block_ids: set[int]) -> None:
         base_evict_blocks(block_ids)
-        lost_hashes(block_pool.blocks[block_id] for block_id in block_ids)
+        for block_id in block_ids:
+            on_hashes_changed(block_pool.blocks[block_id])
 
     def move_block_hashes(src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
         base_move_block_hashes(src_block, dst_block)
-        lost_hashes((src_block,))
+        on_hashes_changed(src_block)
+        on_hashes_changed(dst_block)
 
     def cache_partial_block(request: Any, block: KVCacheBlock, *args: Any, **kwargs: Any) -> Any:
         result = base_cache_partial_block(request, block, *args, **kwargs)
-        lost_hashes((block,))
+        on_hashes_changed(block)
         return result
 
     def unpin_blocks(blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:

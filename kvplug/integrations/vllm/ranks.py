@@ -184,7 +184,10 @@ class KeyedRank(_IntHeap, BlockRank):
         )
 
     def discard(self, block_id: int) -> None:
-        self.remove(block_id)
+        entry = self._entry
+        if entry[block_id] >= 0:
+            entry[block_id] = -1
+            self._live -= 1
 
     def pushpop(self, block_id: int) -> int:
         hits, cap, shift = self._hits[block_id], self._cap, self._shift

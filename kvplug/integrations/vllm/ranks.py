@@ -217,80 +217,87 @@ class S3FIFORank(BlockRank):
     def __init__(self, table: BlockTable, small_fraction: float, max_freq: int) -> None:
         n = len(table.last)
         self._table = table
-        self._queues = {self._S: _IntHeap(n), self._M: _IntHeap(n)}
-        self._tokens = {self._S: 0, self._M: 0}
+        self._small, self._main = _IntHeap(n), _IntHeap(n)
+        self._small_tokens = self._main_tokens = 0
         self._stamp = [-1] * n  # the content (``created``) the state below describes
         self._queue = [0] * n
         self._position = [0] * n
         self._freq = [0] * n
         self._seen_hits = [0] * n
         self._clock = 0
-        self._small = small_fraction
+        self._fraction = small_fraction
         self._max_freq = max_freq
 
-    def _at_tail(self, block_id: int, queue: int) -> None:
-        self._clock += 1
-        self._queue[block_id], self._position[block_id], self._freq[block_id] = (
-            queue,
-            self._clock,
-            0,
-        )
-
-    def _enter(self, block_id: int) -> None:
-        queue = self._queue[block_id]
-        self._queues[queue].push(block_id, self._position[block_id])
-        self._tokens[queue] += self._table.tokens[block_id]
-
     def _leave(self, block_id: int) -> None:
-        queue = self._queue[block_id]
-        if self._queues[queue].remove(block_id):
-            self._tokens[queue] -= self._table.tokens[block_id]
+        if self._queue[block_id] == self._S:
+            if self._small.remove(block_id):
+                self._small_tokens -= self._table.tokens[block_id]
+        elif self._main.remove(block_id):
+            self._main_tokens -= self._table.tokens[block_id]
+
+    def _to_main_tail(self, block_id: int, freq: int) -> None:
+        """Re-queue at M's tail with ``freq`` hits left (``block_id`` has left its queue)."""
+        self._clock += 1
+        self._queue[block_id], self._position[block_id] = self._M, self._clock
+        self._freq[block_id] = freq
+        self._main.push(block_id, self._clock)
+        self._main_tokens += self._table.tokens[block_id]
 
     def add(self, block_id: int) -> None:
-        hits = self._table.hits[block_id]
-        if self._stamp[block_id] != self._table.created[block_id]:  # new content: S's tail
-            self._stamp[block_id] = self._table.created[block_id]
-            self._at_tail(block_id, self._S)
-        elif hits > self._seen_hits[block_id] and self._freq[block_id] < self._max_freq:
-            self._freq[block_id] += 1  # reused since last seen (one step, as on_hit)
+        table = self._table
+        hits = table.hits[block_id]
+        if self._stamp[block_id] != table.created[block_id]:  # new content: S's tail
+            self._stamp[block_id] = table.created[block_id]
+            self._clock += 1
+            self._queue[block_id], self._position[block_id] = self._S, self._clock
+            self._freq[block_id] = 0
+        else:
+            if hits > self._seen_hits[block_id] and self._freq[block_id] < self._max_freq:
+                self._freq[block_id] += 1  # reused since last seen (one step, as on_hit)
+            self._leave(block_id)
         self._seen_hits[block_id] = hits
-        self._leave(block_id)
-        self._enter(block_id)
+        if self._queue[block_id] == self._S:
+            self._small.push(block_id, self._position[block_id])
+            self._small_tokens += table.tokens[block_id]
+        else:
+            self._main.push(block_id, self._position[block_id])
+            self._main_tokens += table.tokens[block_id]
 
     def discard(self, block_id: int) -> None:
         if self._stamp[block_id] == self._table.created[block_id]:
             self._leave(block_id)
 
     def _victim(self, remove: bool) -> int:
-        small, main = self._queues[self._S], self._queues[self._M]
-        tokens, freq, table_tokens = self._tokens, self._freq, self._table.tokens
+        small, main, freq = self._small, self._main, self._freq
+        tokens = self._table.tokens
         while True:
-            small_tokens = tokens[self._S]
             if small._live and (
-                small_tokens > self._small * (small_tokens + tokens[self._M]) or not main._live
+                self._small_tokens > self._fraction * (self._small_tokens + self._main_tokens)
+                or not main._live
             ):
-                queue, block_id = small, small.peek()
+                block_id = small.peek()
                 if freq[block_id] > 0:  # reused while in S: promote to M
-                    self._leave(block_id)
-                    self._at_tail(block_id, self._M)
-                    self._enter(block_id)
+                    small.remove(block_id)
+                    self._small_tokens -= tokens[block_id]
+                    self._to_main_tail(block_id, 0)
                     continue
+                if remove:
+                    small.remove(block_id)
+                    self._small_tokens -= tokens[block_id]
             else:
-                queue, block_id = main, main.peek()
+                block_id = main.peek()
                 if block_id < 0:
                     return -1
                 if freq[block_id] > 0:  # second chance: back to M's tail
-                    left = freq[block_id] - 1
-                    self._leave(block_id)
-                    self._at_tail(block_id, self._M)
-                    freq[block_id] = left
-                    self._enter(block_id)
+                    main.remove(block_id)
+                    self._main_tokens -= tokens[block_id]
+                    self._to_main_tail(block_id, freq[block_id] - 1)
                     continue
-            if remove:  # evicted: it leaves its queue and its state goes
-                queue._entry[block_id] = -1
-                queue._live -= 1
-                tokens[self._queue[block_id]] -= table_tokens[block_id]
-                self._stamp[block_id] = -1
+                if remove:
+                    main.remove(block_id)
+                    self._main_tokens -= tokens[block_id]
+            if remove:
+                self._stamp[block_id] = -1  # evicted: its state goes
             return block_id
 
     def pop(self) -> int:
@@ -304,10 +311,10 @@ class S3FIFORank(BlockRank):
         return "small" if self._queue[block_id] == self._S else "main"
 
     def __len__(self) -> int:
-        return len(self._queues[self._S]) + len(self._queues[self._M])
+        return self._small._live + self._main._live
 
     def __contains__(self, block_id: object) -> bool:
-        return any(block_id in queue for queue in self._queues.values())
+        return block_id in self._small or block_id in self._main
 
 
 class ARCRank(BlockRank):
@@ -318,15 +325,13 @@ class ARCRank(BlockRank):
     value it gets when the first tokens enter, as in the policy.
     """
 
-    _T1, _T2 = 1, 2
-
     def __init__(self, table: BlockTable, initial_recency_fraction: float) -> None:
         n = len(table.last)
         self._table = table
-        self._lists = {self._T1: _IntHeap(n), self._T2: _IntHeap(n)}
-        self._tokens = {self._T1: 0, self._T2: 0}
+        self._t1, self._t2 = _IntHeap(n), _IntHeap(n)
+        self._t1_tokens = self._t2_tokens = 0
         self._stamp = [-1] * n
-        self._where = [0] * n
+        self._in_t2 = bytearray(n)
         self._seen_hits = [0] * n
         self._fraction = initial_recency_fraction
         self._capacity = 0
@@ -334,25 +339,31 @@ class ARCRank(BlockRank):
         """Target tokens of T1."""
 
     def _leave(self, block_id: int) -> None:
-        where = self._where[block_id]
-        if self._lists[where].remove(block_id):
-            self._tokens[where] -= self._table.tokens[block_id]
+        if self._in_t2[block_id]:
+            if self._t2.remove(block_id):
+                self._t2_tokens -= self._table.tokens[block_id]
+        elif self._t1.remove(block_id):
+            self._t1_tokens -= self._table.tokens[block_id]
 
     def add(self, block_id: int) -> None:
         table = self._table
         hits = table.hits[block_id]
         if self._stamp[block_id] != table.created[block_id]:  # new content: T1
             self._stamp[block_id] = table.created[block_id]
-            self._where[block_id] = self._T1
-        elif hits > self._seen_hits[block_id]:
+            self._in_t2[block_id] = 0
+        else:
             self._leave(block_id)
-            self._where[block_id] = self._T2  # reused: the frequency list
+            if hits > self._seen_hits[block_id]:
+                self._in_t2[block_id] = 1  # reused: the frequency list
         self._seen_hits[block_id] = hits
-        self._leave(block_id)
-        where = self._where[block_id]
-        self._lists[where].push(block_id, table.last[block_id])
-        self._tokens[where] += table.tokens[block_id]
-        total = self._tokens[self._T1] + self._tokens[self._T2]
+        tokens = table.tokens[block_id]
+        if self._in_t2[block_id]:
+            self._t2.push(block_id, table.last[block_id])
+            self._t2_tokens += tokens
+        else:
+            self._t1.push(block_id, table.last[block_id])
+            self._t1_tokens += tokens
+        total = self._t1_tokens + self._t2_tokens
         if total > self._capacity:
             if self._capacity == 0:
                 self.p = self._fraction * total
@@ -363,13 +374,17 @@ class ARCRank(BlockRank):
             self._leave(block_id)
 
     def _side(self) -> _IntHeap:
-        t1, t2 = self._lists[self._T1], self._lists[self._T2]
-        return t1 if len(t1) and (self._tokens[self._T1] > self.p or not len(t2)) else t2
+        t1 = self._t1
+        return t1 if t1._live and (self._t1_tokens > self.p or not self._t2._live) else self._t2
 
     def pop(self) -> int:
-        block_id = self._side().peek()
+        side = self._side()
+        block_id = side.pop()
         if block_id >= 0:
-            self._leave(block_id)
+            if side is self._t1:
+                self._t1_tokens -= self._table.tokens[block_id]
+            else:
+                self._t2_tokens -= self._table.tokens[block_id]
             self._stamp[block_id] = -1
         return block_id
 
@@ -378,13 +393,13 @@ class ARCRank(BlockRank):
 
     def recency_tokens(self) -> int:
         """Candidate tokens in T1 now."""
-        return self._tokens[self._T1]
+        return self._t1_tokens
 
     def __len__(self) -> int:
-        return len(self._lists[self._T1]) + len(self._lists[self._T2])
+        return self._t1._live + self._t2._live
 
     def __contains__(self, block_id: object) -> bool:
-        return any(block_id in heap for heap in self._lists.values())
+        return block_id in self._t1 or block_id in self._t2
 
 
 class PolicyRank(BlockRank):

@@ -317,13 +317,7 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         """vLLM cached ``blocks[start:end]`` (new content, a request's chain): each starts a new
         lifetime; in a chained group each is linked under the block before it."""
         table = self._table
-        content, created, last, hits, tokens = (
-            table.content,
-            table.created,
-            table.last,
-            table.hits,
-            table.tokens,
-        )
+        content, created, hits, tokens = table.content, table.created, table.hits, table.tokens
         parent_of, parent_gen, gen = self._parent, self._parent_gen, self._gen
         num_children, tracked, discard = self._num_children, self._tracked, self._rank.discard
         clock = self._clock
@@ -340,7 +334,7 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             if content[block_id] is not None:  # it held other content (a partial block)
                 self._hash_removed(block_id)
             clock += 1
-            created[block_id] = last[block_id] = clock
+            created[block_id] = clock  # its recency is set when it is freed
             hits[block_id] = 0
             tokens[block_id] = num_tokens
             content[block_id] = block_hash

@@ -193,12 +193,14 @@ class KeyedRank(_IntHeap, BlockRank):
         hits, cap, shift = self._hits[block_id], self._cap, self._shift
         key = ((hits if hits < cap else cap) // self._div) << 64 | self._last[block_id]
         entry = key << shift | block_id
-        live = self._entry
+        heap, live = self._heap, self._entry
+        if live[block_id] < 0 and (not heap or entry < heap[0]):
+            return block_id  # the next victim anyway (a chain walk): the heap is untouched
         if live[block_id] < 0:
             self._live += 1
         live[block_id] = entry
-        heap, mask = self._heap, self._mask
-        entry = _heappushpop(heap, entry)  # the new entry itself when it is the smallest
+        mask = self._mask
+        entry = _heappushpop(heap, entry)
         while live[entry & mask] != entry:
             entry = _heappop(heap)
         block_id = entry & mask

@@ -238,7 +238,8 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         block_id = block.block_id
         if self._tracked[block_id]:
             self._tracked[block_id] = 0
-            self._rank.discard(block_id)
+            if not self._num_children[block_id]:  # only leaves are candidates
+                self._rank.discard(block_id)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
@@ -360,6 +361,32 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             if block.block_hash is not None:
                 hits[block.block_id] += 1
 
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """vLLM's ``BlockPool.touch`` and :meth:`on_hits` in one loop (vLLM's loop, line for
+        line, with its ``remove`` inlined): take the free ones out of the list, add a
+        reference, count a hit on the cached ones. For pools without a metrics collector."""
+        tracked, num_children = self._tracked, self._num_children
+        hits, discard = self._table.hits, self._rank.discard
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:  # in the free list: take it out
+                before, after = block.prev_free_block, block.next_free_block
+                if before is None or after is None:
+                    super().remove(block)  # vLLM's own error
+                before.next_free_block = after
+                after.prev_free_block = before
+                block.prev_free_block = block.next_free_block = None
+                self.num_free_blocks -= 1
+                block_id = block.block_id
+                if tracked[block_id]:
+                    tracked[block_id] = 0
+                    if not num_children[block_id]:  # only leaves are candidates
+                        discard(block_id)
+            block.ref_cnt += 1
+            if block.block_hash is not None:
+                hits[block.block_id] += 1
+
     def on_hashes_changed(self, block: KVCacheBlock) -> None:
         """``block`` lost or changed its hashes outside ``get_new_blocks`` and
         ``cache_full_blocks``: chain links through its old content go; new hashes are new
@@ -424,8 +451,11 @@ def _hook_pool(block_pool: BlockPool, queue: PolicyFreeBlockQueue, chains: froze
     on_hits, on_cached, on_hashes_changed = queue.on_hits, queue.on_cached, queue.on_hashes_changed
 
     def touch(blocks: Sequence[KVCacheBlock]) -> None:
-        base_touch(blocks)
-        on_hits(blocks)
+        if block_pool.metrics_collector is None and block_pool.free_block_queue is queue:
+            queue.touch(blocks)
+        else:  # vLLM reports each access to its collector: its own loop, then the hits
+            base_touch(blocks)
+            on_hits(blocks)
 
     def cache_full_blocks(
         request: Any,

@@ -210,16 +210,14 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 if num_children[block_id]:  # links of its children name an older generation
                     num_children[block_id] = 0
                     gen[block_id] += 1
-                parent_id = parent_of[block_id]
-                if parent_id >= 0:
-                    parent_of[block_id] = -1
-                    if parent_gen[block_id] == gen[parent_id]:
-                        left = num_children[parent_id] - 1
-                        num_children[parent_id] = left
-                        if not left and tracked[parent_id]:
-                            if carry >= 0:
-                                add(carry)
-                            carry = parent_id
+                parent_id = parent_of[block_id]  # (reset when it caches new content)
+                if parent_id >= 0 and parent_gen[block_id] == gen[parent_id]:
+                    left = num_children[parent_id] - 1
+                    num_children[parent_id] = left
+                    if not left and tracked[parent_id]:
+                        if carry >= 0:
+                            add(carry)
+                        carry = parent_id
             keep(victim)
         if carry >= 0:
             add(carry)
@@ -254,23 +252,20 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         assert last_block is not None, "prev_free_block of fake_free_list_tail should always exist"
         last, tracked, num_children = self._table.last, self._tracked, self._num_children
         add = self._rank.add
-        clock = self._clock
-        for block in blocks:
+        for clock, block in enumerate(blocks, self._clock + 1):  # a tick each
             block.prev_free_block = last_block
             last_block.next_free_block = block
             last_block = block
-            block_hash = block.block_hash
-            if block_hash is None:
+            if block.block_hash is None:
                 continue  # unhashed: reused in vLLM's order
             block_id = block.block_id
             tracked[block_id] = 1
-            clock += 1
             last[block_id] = clock
             if not num_children[block_id]:
                 add(block_id)
         last_block.next_free_block = tail
         tail.prev_free_block = last_block
-        self._clock = clock
+        self._clock += len(blocks)
         self.num_free_blocks += len(blocks)
 
     def _track_free(self, blocks: list[KVCacheBlock]) -> None:
@@ -296,6 +291,7 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         block_id = block.block_id
         if self._table.content[block_id] is not None:
             self._hash_removed(block_id)
+        self._parent[block_id] = -1
         self._clock += 1
         table = self._table
         table.created[block_id] = table.last[block_id] = self._clock
@@ -339,7 +335,9 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
             hits[block_id] = 0
             tokens[block_id] = num_tokens
             content[block_id] = block_hash
-            if parent is not None:
+            if parent is None:
+                parent_of[block_id] = -1
+            else:
                 parent_id = parent.block_id
                 parent_of[block_id] = parent_id
                 parent_gen[block_id] = gen[parent_id]

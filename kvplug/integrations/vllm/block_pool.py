@@ -13,9 +13,12 @@ they were freed, so the head is the least recently used one. Without chain prote
 default) the pool and its queue stay exactly vLLM's: the block ids and the removal events are
 vLLM's in every free order, at vLLM's cost.
 
-Statistics live in a side table indexed by block id (vLLM's blocks are slotted): one
-:class:`BlockStats` per block, renewed whenever the block holds new content (vLLM caches it), a
+Statistics live in per-block lists indexed by block id (vLLM's blocks are slotted,
+:class:`~.ranks.BlockTable`): renewed whenever the block holds new content (vLLM caches it), a
 hit counted when a request reuses it (``BlockPool.touch``), its recency set when it is freed.
+The built-in policies rank block ids over those lists (:mod:`.ranks`, the policies' exact
+orders at a fraction of their per-object cost); any other policy gets one candidate object per
+block through its own methods.
 
 Chains: vLLM finds a prefix by walking block hashes from the first block, so evicting a block
 whose successor is still cached orphans the successor (cached, unreachable). With chain
@@ -43,6 +46,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from kvplug_hookspecs import CandidateStats, EvictionPolicy
 
 from ...policies.builtin import LRUPolicy
+from .ranks import BlockRank, BlockStats, BlockTable, PolicyRank, rank_for
 
 __all__ = [
     "BlockStats",
@@ -53,24 +57,7 @@ __all__ = [
 ]
 
 
-class BlockStats(CandidateStats):
-    """The statistics of a vLLM block's cached content (``block_id`` finds the block).
-
-    One object per block id, reset when the block caches new content (its previous content was
-    evicted, so no policy holds it): ``node_id`` names the block slot, ``content_id`` the content
-    (the hash of vLLM's block hash, stable within the process).
-    """
-
-    __slots__ = ("block_id",)
-
-    def __init__(self, block_id: int, now: int, num_tokens: int) -> None:
-        super().__init__(now, num_tokens=num_tokens)
-        self.block_id = block_id
-
-
 _Q = TypeVar("_Q")
-_base_remove = FreeKVCacheBlockQueue.remove
-_base_append_n = FreeKVCacheBlockQueue.append_n
 
 
 def _copy_as(cls: type[_Q], source: object) -> _Q:
@@ -97,13 +84,15 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
     """vLLM's free-block list, where a kvplug policy chooses among the free cached blocks.
 
     ``_tracked[b]`` is 1 while block ``b`` sits in the list as a cached block appended by a free
-    (the policy's domain); the policy holds the tracked blocks that are chain leaves.
+    (the policy's domain); the rank holds the tracked blocks that are chain leaves. The
+    statistics are per-block lists (:class:`~.ranks.BlockTable`); the built-in policies rank
+    them directly (:func:`~.ranks.rank_for`), any other policy through its candidate objects.
     """
 
     _blocks: list[KVCacheBlock]
     _policy: EvictionPolicy
-    _stats: list[BlockStats | None]
-    _content: list[Any]
+    _rank: BlockRank
+    _table: BlockTable
     _tracked: bytearray
     _parent: list[int]
     _parent_gen: list[int]
@@ -118,38 +107,60 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         """A queue of this class holding vLLM's list (``queue``'s attributes, set one by one);
         cached free blocks join in list order. The pool must use it in place of ``queue``."""
         new: PolicyFreeBlockQueue = _copy_as(cls, queue)
-        queue = new
         n = len(blocks)
-        queue._blocks = blocks
-        queue._policy = policy
-        queue._stats = [None] * n
-        queue._content = [None] * n
-        queue._tracked = bytearray(n)
-        queue._parent = [-1] * n
-        queue._parent_gen = [0] * n
-        queue._gen = [0] * n
-        queue._num_children = [0] * n
-        queue._clock = 0
-        free = queue.get_all_free_blocks()
-        queue._track_free([b for b in free if b.block_hash is not None])
+        new._blocks = blocks
+        new._policy = policy
+        new._table = table = BlockTable(n)
+        rank = rank_for(policy, table)
+        new._rank = rank if rank is not None else PolicyRank(table, policy, blocks)
+        new._tracked = bytearray(n)
+        new._parent = [-1] * n
+        new._parent_gen = [0] * n
+        new._gen = [0] * n
+        new._num_children = [0] * n
+        new._clock = 0
+        free = [b for b in new.get_all_free_blocks() if b.block_hash is not None]
+        new._track_free(free)
         return new
 
     @property
     def policy(self) -> EvictionPolicy:
-        """The kvplug policy ranking the free cached leaves."""
+        """The kvplug policy whose order this queue keeps."""
         return self._policy
 
-    def stats(self, block_id: int) -> BlockStats | None:
-        """The statistics of a block's cached content (``None`` if it was never cached)."""
-        return self._stats[block_id]
+    @property
+    def rank(self) -> BlockRank:
+        """What ranks the candidate blocks (the policy's order, by block id)."""
+        return self._rank
+
+    def stats(self, block_id: int) -> CandidateStats | None:
+        """The statistics of a block's cached content as the policy sees them (``None`` if it
+        was never cached): the policy's own object, or a snapshot of the table's row."""
+        if isinstance(self._rank, PolicyRank):
+            return self._rank.stats(block_id)
+        table = self._table
+        created = table.created[block_id]
+        if not created:
+            return None
+        num_tokens = table.tokens[block_id]
+        stats = BlockStats(block_id, created, num_tokens)
+        stats.last_access_time = table.last[block_id]
+        stats.hit_count = table.hits[block_id]
+        stats.new_tokens = num_tokens
+        content = table.content[block_id]
+        if content is not None:
+            stats.content_id = hash(content)
+            hash_tokens = self._blocks[block_id].block_hash_num_tokens
+            stats.depth = max(hash_tokens - num_tokens, 0) if hash_tokens else 0
+        return stats
 
     def is_leaf(self, block_id: int) -> bool:
         """No cached block continues this block's chain (evicting it orphans nothing)."""
         return not self._num_children[block_id]
 
     # -- vLLM's queue operations --------------------------------------------------------------
-    # Hot paths: locals instead of attribute lookups, vLLM's base methods called directly, no
-    # helper call per block where a few lines do (each Python call costs as much as vLLM's own
+    # Hot paths: locals instead of attribute lookups, vLLM's list links set inline, no helper
+    # call per block where a few lines do (each Python call costs as much as vLLM's own
     # per-block work).
 
     def popleft(self) -> KVCacheBlock:
@@ -159,225 +170,264 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks: vLLM's head while it is not a tracked cached block, else the
-        policy's victim (the head again when the policy holds no leaf)."""
+        rank's victim (the head again when the rank holds no leaf).
+
+        Only ``get_new_blocks`` takes blocks, and it removes every taken block's hashes right
+        after: the chain bookkeeping of that removal is done here (a parent whose last child
+        goes becomes a candidate), so vLLM's per-block hash removal runs unhooked.
+        """
         if n == 0:
             return []
         assert self.num_free_blocks >= n
-        head, tracked, blocks, stats_of = (
-            self.fake_free_list_head,
-            self._tracked,
-            self._blocks,
-            self._stats,
-        )
-        parent_of, parent_gen, gen, num_children = (
-            self._parent,
-            self._parent_gen,
-            self._gen,
-            self._num_children,
-        )
-        pop, add = self._policy.pop, self._policy.add
+        head, tracked, blocks = self.fake_free_list_head, self._tracked, self._blocks
+        parent_of, parent_gen, gen = self._parent, self._parent_gen, self._gen
+        num_children, content = self._num_children, self._table.content
+        rank = self._rank
+        pop, pushpop, add = rank.pop, rank.pushpop, rank.add
+        carry = -1  # a parent that just became a candidate (added at the next pop, or at the end)
         taken: list[KVCacheBlock] = []
         keep = taken.append
         for _ in range(n):
             victim = head.next_free_block
             block_id = victim.block_id
             if tracked[block_id]:
-                stats = pop()
-                if stats is not None:
-                    block_id = stats.block_id  # type: ignore[attr-defined]
-                    victim = blocks[block_id]
+                if carry >= 0:
+                    chosen = pushpop(carry)
+                    carry = -1
+                else:
+                    chosen = pop()
+                if chosen >= 0:
+                    block_id = chosen
+                    victim = blocks[chosen]
                 tracked[block_id] = 0
             # unlink from vLLM's list (what its remove() does, without the call)
             before, after = victim.prev_free_block, victim.next_free_block
             before.next_free_block = after
             after.prev_free_block = before
             victim.prev_free_block = victim.next_free_block = None
-            # vLLM evicts every taken block's hash right after: its parent is a leaf already.
-            parent_id = parent_of[block_id]
-            if parent_id >= 0:
-                parent_of[block_id] = -1
-                if parent_gen[block_id] == gen[parent_id]:
+            if content[block_id] is not None:  # its hashes go next: no chain runs through it
+                content[block_id] = None
+                if num_children[block_id]:  # links of its children name an older generation
+                    num_children[block_id] = 0
+                    gen[block_id] += 1
+                parent_id = parent_of[block_id]  # (reset when it caches new content)
+                if parent_id >= 0 and parent_gen[block_id] == gen[parent_id]:
                     left = num_children[parent_id] - 1
                     num_children[parent_id] = left
                     if not left and tracked[parent_id]:
-                        add(stats_of[parent_id])
+                        if carry >= 0:
+                            add(carry)
+                        carry = parent_id
             keep(victim)
+        if carry >= 0:
+            add(carry)
         self.num_free_blocks -= n
         return taken
 
     def remove(self, block: KVCacheBlock) -> None:
-        _base_remove(self, block)
+        before, after = block.prev_free_block, block.next_free_block
+        if before is None or after is None:
+            super().remove(block)  # vLLM's own error
+            return
+        before.next_free_block = after
+        after.prev_free_block = before
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
         block_id = block.block_id
         if self._tracked[block_id]:
             self._tracked[block_id] = 0
-            self._policy.discard(self._stats[block_id])
+            if not self._num_children[block_id]:  # only leaves are candidates
+                self._rank.discard(block_id)
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        """vLLM's append; each cached block joins the policy with its recency (a tick each)."""
-        _base_append_n(self, blocks)
-        self._track_free(blocks)
-
-    def _track_free(self, blocks: list[KVCacheBlock]) -> None:
-        """These blocks are in vLLM's list now: the cached ones join the policy (leaves only)."""
-        stats_of, content, tracked, num_children = (
-            self._stats,
-            self._content,
-            self._tracked,
-            self._num_children,
-        )
-        add = self._policy.add
-        clock = self._clock
-        for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is None:
+        """vLLM's append; each cached block is tracked with its recency (a tick each), and the
+        chain leaves among them become candidates."""
+        if not blocks:
+            return
+        tail = self.fake_free_list_tail
+        last_block = tail.prev_free_block
+        assert last_block is not None, "prev_free_block of fake_free_list_tail should always exist"
+        last, tracked, num_children = self._table.last, self._tracked, self._num_children
+        add = self._rank.add
+        for clock, block in enumerate(blocks, self._clock + 1):  # a tick each
+            block.prev_free_block = last_block
+            last_block.next_free_block = block
+            last_block = block
+            if block.block_hash is None:
                 continue  # unhashed: reused in vLLM's order
             block_id = block.block_id
-            if content[block_id] is not block_hash:
-                self._clock = clock
-                self._renew(block)
-                clock = self._clock
-            stats = stats_of[block_id]
             tracked[block_id] = 1
-            clock += 1
-            stats.last_access_time = clock
+            last[block_id] = clock
             if not num_children[block_id]:
-                add(stats)
-        self._clock = clock
+                add(block_id)
+        last_block.next_free_block = tail
+        tail.prev_free_block = last_block
+        self._clock += len(blocks)
+        self.num_free_blocks += len(blocks)
+
+    def _track_free(self, blocks: list[KVCacheBlock]) -> None:
+        """These cached blocks are in vLLM's list already (when adopting the list)."""
+        table, tracked = self._table, self._tracked
+        for block in blocks:
+            block_id = block.block_id
+            if table.content[block_id] is not block.block_hash:
+                self._renew(block, 0)
+            tracked[block_id] = 1
+            self._clock += 1
+            table.last[block_id] = self._clock
+            if not self._num_children[block_id]:
+                self._rank.add(block_id)
 
     # prepend_n is vLLM's: prepended blocks (unhashed or evict-first) are reused first, untracked.
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
-    def _renew(self, block: KVCacheBlock, num_tokens: int = 0) -> BlockStats:
-        """Fresh statistics for the block's current content: reuse the slot's object (its old
-        content was evicted, so no policy holds it)."""
+    def _renew(self, block: KVCacheBlock, num_tokens: int) -> None:
+        """The block holds content not seen before: a new lifetime (chain links of its old
+        content go)."""
         block_id = block.block_id
+        if self._table.content[block_id] is not None:
+            self._hash_removed(block_id)
+        self._parent[block_id] = -1
         self._clock += 1
-        stats: BlockStats | None = self._stats[block_id]
-        if stats is None:
-            stats = BlockStats(block_id, self._clock, num_tokens)
-            self._stats[block_id] = stats
-        else:
-            stats.creation_time = stats.last_access_time = self._clock
-            stats.hit_count = 0
-            stats.num_tokens = num_tokens
-        hash_tokens = block.block_hash_num_tokens
-        stats.depth = max(hash_tokens - num_tokens, 0) if hash_tokens else 0
-        block_hash = block.block_hash
-        self._content[block_id] = block_hash
-        stats.content_id = hash(block_hash)  # bytes cache their hash: free after lookups
-        stats.new_tokens = num_tokens
-        return stats
+        table = self._table
+        table.created[block_id] = table.last[block_id] = self._clock
+        table.hits[block_id] = 0
+        table.tokens[block_id] = num_tokens
+        table.content[block_id] = block.block_hash
 
     def keep_in_place(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Leave these free blocks where vLLM put them (unpinned last-resort blocks)."""
-        tracked, stats_of, discard = self._tracked, self._stats, self._policy.discard
+        tracked, discard = self._tracked, self._rank.discard
         for block in blocks:
             block_id = block.block_id
             if tracked[block_id]:
                 tracked[block_id] = 0
-                discard(stats_of[block_id])
+                discard(block_id)
 
     def on_cached(
         self, blocks: Sequence[KVCacheBlock], start: int, end: int, num_tokens: int, chained: bool
     ) -> None:
         """vLLM cached ``blocks[start:end]`` (new content, a request's chain): each starts a new
         lifetime; in a chained group each is linked under the block before it."""
+        table = self._table
+        content, created, hits, tokens = table.content, table.created, table.hits, table.tokens
         parent_of, parent_gen, gen = self._parent, self._parent_gen, self._gen
-        num_children, tracked, stats_of = self._num_children, self._tracked, self._stats
-        content = self._content
-        discard = self._policy.discard
+        num_children, tracked, discard = self._num_children, self._tracked, self._rank.discard
         clock = self._clock
         parent = blocks[start - 1] if chained and 0 < start <= len(blocks) else None
+        if parent is not None and parent.block_hash is None:
+            parent = None
         for i in range(start, min(end, len(blocks))):
             block = blocks[i]
             block_hash = block.block_hash
-            if block.is_null or block_hash is None:
+            if block_hash is None:  # null or masked-out: not cached
                 parent = None
                 continue
             block_id = block.block_id
-            # fresh statistics for new content (what _renew does, inline)
+            if content[block_id] is not None:  # it held other content (a partial block)
+                self._hash_removed(block_id)
             clock += 1
-            stats = stats_of[block_id]
-            if stats is None:
-                stats = stats_of[block_id] = BlockStats(block_id, clock, num_tokens)
-            else:
-                stats.creation_time = stats.last_access_time = clock
-                stats.hit_count = 0
-                stats.num_tokens = num_tokens
-            hash_tokens = block.block_hash_num_tokens
-            depth = hash_tokens - num_tokens if hash_tokens else 0
-            stats.depth = depth if depth > 0 else 0
+            created[block_id] = clock  # its recency is set when it is freed
+            hits[block_id] = 0
+            tokens[block_id] = num_tokens
             content[block_id] = block_hash
-            stats.content_id = hash(block_hash)
-            stats.new_tokens = num_tokens
-            if parent_of[block_id] >= 0:
-                self._unlink(block_id)
-            if (
-                chained
-                and parent is not None
-                and not parent.is_null
-                and parent.block_hash is not None
-            ):
+            if parent is None:
+                parent_of[block_id] = -1
+            else:
                 parent_id = parent.block_id
                 parent_of[block_id] = parent_id
                 parent_gen[block_id] = gen[parent_id]
-                num_children[parent_id] += 1
-                if num_children[parent_id] == 1 and tracked[parent_id]:
-                    discard(stats_of[parent_id])
-            parent = block
+                children = num_children[parent_id]
+                num_children[parent_id] = children + 1
+                if not children and tracked[parent_id]:
+                    discard(parent_id)
+            if chained:
+                parent = block
         self._clock = clock
 
     def on_hits(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Requests reused these cached blocks (vLLM touched them when admitting a request)."""
+        """Requests reused these cached blocks (vLLM touched them when admitting a request).
+
+        A hit does not tick the clock: a block is ranked only once freed again, and its free
+        sets its recency (what every policy reads when the block becomes a candidate)."""
+        hits = self._table.hits
         for block in blocks:
             if block.block_hash is not None:
-                stats = self._current_stats(block)
-                self._clock += 1
-                stats.hit_count += 1
-                stats.last_access_time = self._clock
+                hits[block.block_id] += 1
 
-    def _current_stats(self, block: KVCacheBlock) -> BlockStats:
-        """The statistics of the block's current content (renewed if it holds other content
-        than they describe, e.g. its hashes were moved in from another block)."""
-        stats: BlockStats | None = self._stats[block.block_id]
-        if stats is None or self._content[block.block_id] is not block.block_hash:
-            stats = self._renew(block)
-        return stats
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """vLLM's ``BlockPool.touch`` and :meth:`on_hits` in one loop (vLLM's loop, line for
+        line, with its ``remove`` inlined): take the free ones out of the list, add a
+        reference, count a hit on the cached ones. For pools without a metrics collector."""
+        tracked, num_children = self._tracked, self._num_children
+        hits, discard = self._table.hits, self._rank.discard
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:  # in the free list: take it out
+                before, after = block.prev_free_block, block.next_free_block
+                if before is None or after is None:
+                    super().remove(block)  # vLLM's own error
+                before.next_free_block = after
+                after.prev_free_block = before
+                block.prev_free_block = block.next_free_block = None
+                self.num_free_blocks -= 1
+                block_id = block.block_id
+                if tracked[block_id]:
+                    tracked[block_id] = 0
+                    if not num_children[block_id]:  # only leaves are candidates
+                        discard(block_id)
+            block.ref_cnt += 1
+            if block.block_hash is not None:
+                hits[block.block_id] += 1
 
-    def on_hash_removed(self, block: KVCacheBlock) -> None:
-        """``block`` lost its hashes: its parent may become a leaf, its children are unlinked."""
+    def on_hashes_changed(self, block: KVCacheBlock) -> None:
+        """``block`` lost or changed its hashes outside ``get_new_blocks`` and
+        ``cache_full_blocks``: chain links through its old content go; new hashes are new
+        content (every content change is seen here or in :meth:`on_cached`, so the free and
+        hit paths need not check)."""
         block_id = block.block_id
+        if block.block_hash is self._table.content[block_id]:
+            return
+        if block.block_hash is not None:
+            self._renew(block, 0)
+        elif self._table.content[block_id] is not None:
+            self._hash_removed(block_id)
+            self._table.content[block_id] = None
+
+    def _hash_removed(self, block_id: int) -> None:
+        """The content ``block_id`` held is gone: its parent may become a leaf, its children
+        are unlinked (their links name an older generation), it is a leaf itself."""
         if self._parent[block_id] >= 0:
             self._unlink(block_id)
         self._gen[block_id] += 1
         if self._num_children[block_id]:
             self._num_children[block_id] = 0
             if self._tracked[block_id]:
-                self._policy.add(self._stats[block_id])
+                self._rank.add(block_id)
 
     def _unlink(self, block_id: int) -> None:
         parent_id = self._parent[block_id]
-        if parent_id < 0:
-            return
         self._parent[block_id] = -1
         if self._parent_gen[block_id] == self._gen[parent_id]:
             self._num_children[parent_id] -= 1
             if not self._num_children[parent_id] and self._tracked[parent_id]:
-                self._policy.add(self._stats[parent_id])  # type: ignore[arg-type]
+                self._rank.add(parent_id)
 
     def on_reset(self) -> None:
         """vLLM dropped every hash (``reset_prefix_cache``): no chains remain."""
         for block_id, children in enumerate(self._num_children):
             if children and self._tracked[block_id]:
-                self._policy.add(self._stats[block_id])  # type: ignore[arg-type]
+                self._rank.add(block_id)
         n = len(self._blocks)
         self._parent = [-1] * n
         self._num_children = [0] * n
         self._gen = [gen + 1 for gen in self._gen]
+        self._table.content[:] = [None] * n
 
 
 def _hook_pool(block_pool: BlockPool, queue: PolicyFreeBlockQueue, chains: frozenset[int]) -> None:
@@ -390,14 +440,20 @@ def _hook_pool(block_pool: BlockPool, queue: PolicyFreeBlockQueue, chains: froze
     cls = type(block_pool)
     base_touch = cls.touch.__get__(block_pool)
     base_cache_full_blocks = cls.cache_full_blocks.__get__(block_pool)
-    base_remove_hashes = cls._remove_cached_block_hashes.__get__(block_pool)
+    base_evict_blocks = cls.evict_blocks.__get__(block_pool)
+    # newer vLLM only; hooked when present
+    base_move_block_hashes: Any = getattr(block_pool, "move_block_hashes", None)
+    base_cache_partial_block: Any = getattr(block_pool, "cache_partial_block", None)
     base_unpin_blocks = cls.unpin_blocks.__get__(block_pool)
     base_reset_prefix_cache = cls.reset_prefix_cache.__get__(block_pool)
-    on_hits, on_cached, on_hash_removed = queue.on_hits, queue.on_cached, queue.on_hash_removed
+    on_hits, on_cached, on_hashes_changed = queue.on_hits, queue.on_cached, queue.on_hashes_changed
 
     def touch(blocks: Sequence[KVCacheBlock]) -> None:
-        base_touch(blocks)
-        on_hits(blocks)
+        if block_pool.metrics_collector is None and block_pool.free_block_queue is queue:
+            queue.touch(blocks)
+        else:  # vLLM reports each access to its collector: its own loop, then the hits
+            base_touch(blocks)
+            on_hits(blocks)
 
     def cache_full_blocks(
         request: Any,
@@ -422,12 +478,20 @@ def _hook_pool(block_pool: BlockPool, queue: PolicyFreeBlockQueue, chains: froze
         chained = kv_cache_group_id in chains
         on_cached(blocks, num_cached_blocks, num_full_blocks, block_size, chained)
 
-    def _remove_cached_block_hashes(block: KVCacheBlock) -> Any:  # once per evicted block
-        if block.block_hash is None:
-            return base_remove_hashes(block)
-        removed = base_remove_hashes(block)
-        on_hash_removed(block)
-        return removed
+    def evict_blocks(block_ids: set[int]) -> None:
+        base_evict_blocks(block_ids)
+        for block_id in block_ids:
+            on_hashes_changed(block_pool.blocks[block_id])
+
+    def move_block_hashes(src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        base_move_block_hashes(src_block, dst_block)
+        on_hashes_changed(src_block)
+        on_hashes_changed(dst_block)
+
+    def cache_partial_block(request: Any, block: KVCacheBlock, *args: Any, **kwargs: Any) -> Any:
+        result = base_cache_partial_block(request, block, *args, **kwargs)
+        on_hashes_changed(block)
+        return result
 
     def unpin_blocks(blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
         blocks = list(blocks)
@@ -440,8 +504,12 @@ def _hook_pool(block_pool: BlockPool, queue: PolicyFreeBlockQueue, chains: froze
             queue.on_reset()
         return done
 
-    hooks = (touch, cache_full_blocks, _remove_cached_block_hashes, unpin_blocks)
-    for hook in (*hooks, reset_prefix_cache):
+    hooks: list[Any] = [touch, cache_full_blocks, evict_blocks, unpin_blocks, reset_prefix_cache]
+    if base_move_block_hashes is not None:
+        hooks.append(move_block_hashes)
+    if base_cache_partial_block is not None:
+        hooks.append(cache_partial_block)
+    for hook in hooks:
         setattr(block_pool, hook.__name__, hook)
 
 

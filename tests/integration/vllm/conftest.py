@@ -241,12 +241,8 @@ def check_pool(manager: Any) -> None:
     from kvplug.integrations.vllm.block_pool import PolicyFreeBlockQueue
 
     if isinstance(queue, PolicyFreeBlockQueue):
-        policy = queue.policy
-        in_policy = set()
-        for block_id in range(len(pool.blocks)):
-            stats = queue.stats(block_id)
-            if stats is not None and stats in policy:
-                in_policy.add(block_id)
+        rank = queue.rank
+        in_policy = {block_id for block_id in range(len(pool.blocks)) if block_id in rank}
         assert in_policy <= free
         assert all(queue.is_leaf(b) for b in in_policy)
-        assert len(policy) == len(in_policy)
+        assert len(rank) == len(in_policy)

@@ -21,7 +21,7 @@ from tests.integration.vllm.conftest import admit, check_pool, free_ids, make_ma
 pytestmark = pytest.mark.vllm
 
 BLOCK = 16
-POLICIES = ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru"]
+POLICIES = ["lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "s3fifo", "arc"]
 
 
 def new_policy(name: str) -> Any:
@@ -186,7 +186,7 @@ def test_chain_protection_evicts_tails_first_under_fifo() -> None:
     assert cached_prefix_blocks(manager, prompt) == 2
 
 
-@pytest.mark.parametrize("policy", ["lfu", "mru", "fifo"])
+@pytest.mark.parametrize("policy", ["lfu", "slru", "s3fifo", "arc", "mru", "fifo"])
 def test_victim_is_the_one_the_policy_predicts(policy: str) -> None:
     manager = kvplug_manager(policy, 30)
     rng = random.Random(3)
@@ -203,13 +203,14 @@ def test_victim_is_the_one_the_policy_predicts(policy: str) -> None:
     cached_before = len(pool.cached_block_hash_to_block)
     pool.free_blocks(pool.get_new_blocks(unhashed))
     assert len(pool.cached_block_hash_to_block) == cached_before
-    while len(queue.policy):
+    assert len(queue.rank)
+    while len(queue.rank):
         head = pool.free_block_queue.fake_free_list_head.next_free_block
         if head.block_hash is None:
             break
-        predicted = queue.policy.peek()
+        predicted = queue.rank.peek()
         (taken,) = pool.get_new_blocks(1)
-        assert taken.block_id == predicted.block_id
+        assert taken.block_id == predicted
         check_pool(manager)
 
 

@@ -1,0 +1,227 @@
+"""Each block rank makes exactly its policy's choices on the same candidates.
+
+The rank reads per-block lists; the policy gets one candidate object per cached content. Both
+see the same life of every block, as the vLLM queue drives them: cached (new content), hit
+while in use, freed (its recency), offered or withdrawn as a candidate, taken back by a
+request, or evicted by ``pop``. Needs no vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvplug import get_registry
+from kvplug.integrations.vllm.ranks import (
+    ARCRank,
+    BlockStats,
+    BlockTable,
+    KeyedRank,
+    PolicyRank,
+    S3FIFORank,
+    rank_for,
+)
+from kvplug.policies.builtin import LFUPolicy, SLRUOptions, SLRUPolicy
+
+pytestmark = pytest.mark.vllm
+
+RANKED = ["lru", "lfu", "slru", "priority", "s3fifo", "arc"]
+N = 5
+
+
+def new_policy(name: str) -> Any:
+    registration = get_registry().get("eviction_policy", name)
+    return registration.factory(registration.options_model())
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("lru", KeyedRank),
+        ("lfu", KeyedRank),
+        ("slru", KeyedRank),
+        ("priority", KeyedRank),
+        ("s3fifo", S3FIFORank),
+        ("arc", ARCRank),
+    ],
+)
+def test_rank_for_builtin_policies(name: str, kind: type) -> None:
+    assert type(rank_for(new_policy(name), BlockTable(4))) is kind
+
+
+def test_no_rank_for_subclasses_and_other_policies() -> None:
+    class MyLFU(LFUPolicy):
+        pass
+
+    assert rank_for(MyLFU(), BlockTable(4)) is None
+    assert rank_for(new_policy("fifo"), BlockTable(4)) is None
+
+
+def test_lfu_and_slru_keys() -> None:
+    """Fewest hits first, then least recently freed; slru: under ``protected_hits`` first."""
+    for policy, expected in (
+        (LFUPolicy(), [3, 1, 2, 4]),
+        # slru: 1, 2 and 3 are probationary (under 2 hits), in LRU order; 4 is protected
+        (SLRUPolicy(SLRUOptions(protected_hits=2)), [1, 2, 3, 4]),
+    ):
+        table = BlockTable(5)
+        rank = rank_for(policy, table)
+        assert rank is not None
+        for block_id, (hits, last) in {1: (1, 10), 2: (1, 20), 3: (0, 30), 4: (2, 5)}.items():
+            table.created[block_id], table.hits[block_id] = 1, hits
+            table.last[block_id] = last
+            rank.add(block_id)
+        assert [rank.pop() for _ in range(5)] == [*expected, -1]
+
+
+class RankAgainstPolicy(RuleBasedStateMachine):
+    """One rank and its policy (through :class:`PolicyRank`, fresh stats per content)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = ["new"] * N  # new, used, free (not a candidate), in, evicted
+
+    name = "lru"
+
+    @initialize()
+    def start(self) -> None:
+        name = self.name
+        self.table = BlockTable(N)
+        self.rank = rank_for(new_policy(name), self.table)
+        self.reference = _FreshPolicyRank(BlockTable(N), new_policy(name), [None] * N)
+        self.clock = 0
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def both(self, update: Any) -> None:
+        update(self.table)
+        update(self.reference.table)
+
+    @rule(block=st.integers(1, N - 1), tokens=st.sampled_from([0, 16, 16, 32]))
+    def cache(self, block: int, tokens: int) -> None:
+        if self.state[block] not in ("new", "used", "evicted"):
+            return
+        now = self.tick()
+
+        def renew(table: BlockTable) -> None:
+            table.created[block] = table.last[block] = now
+            table.hits[block], table.tokens[block] = 0, tokens
+            table.content[block] = (block, now)
+
+        self.both(renew)
+        self.reference.renew(block)
+        self.state[block] = "used"
+
+    @rule(block=st.integers(1, N - 1))
+    def hit(self, block: int) -> None:
+        if self.state[block] != "used":
+            return
+        now = self.tick()
+
+        def hit(table: BlockTable) -> None:
+            table.hits[block] += 1
+            table.last[block] = now
+
+        self.both(hit)
+
+    @rule(block=st.integers(1, N - 1), join=st.booleans())
+    def free(self, block: int, join: bool) -> None:
+        if self.state[block] != "used":
+            return
+        now = self.tick()
+
+        def free(table: BlockTable) -> None:
+            table.last[block] = now
+
+        self.both(free)
+        self.state[block] = "free"
+        if join:
+            self.join(block)
+
+    @rule(block=st.integers(1, N - 1))
+    def join(self, block: int) -> None:
+        if self.state[block] == "free":
+            self.rank.add(block)
+            self.reference.add(block)
+            self.state[block] = "in"
+
+    @rule(block=st.integers(1, N - 1))
+    def leave(self, block: int) -> None:
+        """No longer a candidate, still free (it gained a cached successor)."""
+        if self.state[block] == "in":
+            self.rank.discard(block)
+            self.reference.discard(block)
+            self.state[block] = "free"
+
+    @rule(block=st.integers(1, N - 1))
+    def take(self, block: int) -> None:
+        """A request reuses the free cached block (vLLM's ``touch``): a hit."""
+        if self.state[block] not in ("free", "in"):
+            return
+        self.rank.discard(block)
+        self.reference.discard(block)
+        self.state[block] = "used"
+        self.hit(block)
+
+    @rule(with_add=st.integers(0, N - 1))
+    def pop(self, with_add: int) -> None:
+        if with_add and self.state[with_add] == "free":
+            got, expected = self.rank.pushpop(with_add), self.reference.pushpop(with_add)
+            self.state[with_add] = "in"
+        else:
+            got, expected = self.rank.pop(), self.reference.pop()
+        assert got == expected
+        if got >= 0:
+            self.state[got] = "evicted"
+
+    @invariant()
+    def same_candidates(self) -> None:
+        assert len(self.rank) == len(self.reference)
+        assert self.rank.peek() == self.reference.peek()
+        assert all((b in self.rank) == (self.state[b] == "in") for b in range(N))
+
+
+class _FreshPolicyRank(PolicyRank):
+    """:class:`PolicyRank` with a new candidate object per content (the policy's own view)."""
+
+    def __init__(self, table: BlockTable, policy: Any, blocks: list[Any]) -> None:
+        super().__init__(table, policy, blocks)
+        self.table = table
+
+    def renew(self, block_id: int) -> None:
+        self._stats[block_id] = BlockStats(block_id, 0, 0)
+        self._stamp[block_id] = 0
+
+    def stats(self, block_id: int) -> BlockStats | None:
+        table = self._table
+        stats = self._stats[block_id]
+        if stats is None:
+            return None
+        if self._stamp[block_id] != table.created[block_id]:
+            self._stamp[block_id] = table.created[block_id]
+            stats.creation_time = table.created[block_id]
+            stats.num_tokens = table.tokens[block_id]
+        stats.last_access_time = table.last[block_id]
+        stats.hit_count = table.hits[block_id]
+        return stats
+
+
+def _machine(name: str) -> Any:
+    machine = type(f"RankAgainst_{name}", (RankAgainstPolicy,), {"name": name})
+    test = machine.TestCase
+    test.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+    return test
+
+
+TestLRURank = _machine("lru")
+TestLFURank = _machine("lfu")
+TestSLRURank = _machine("slru")
+TestPriorityRank = _machine("priority")
+TestS3FIFORank = _machine("s3fifo")
+TestARCRank = _machine("arc")

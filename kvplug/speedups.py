@@ -96,13 +96,7 @@ def _token_tuple(ids: Any) -> tuple[int, ...]:
     """``walk``'s key as a tuple: a tuple as it is, a 1-D int64 buffer converted."""
     if isinstance(ids, tuple):
         return ids
-    try:
-        view = memoryview(ids)
-    except TypeError:
-        view = None
-    if view is None or not _is_int64_vector(view):
-        raise TypeError("walk: ids must be a tuple or a 1-D int64 buffer")
-    return tuple(view.tolist())
+    return tuple(_int64_view(ids, "walk: ids must be a tuple or a 1-D int64 buffer").tolist())
 
 
 def stamp_hits(path: list[Any], count: int, now: int) -> None:
@@ -279,16 +273,8 @@ def common_prefix(a: Any, b: Any, n: int) -> int:
     """The length of the common prefix of ``a[:n]`` and ``b[:n]``, two 1-D int64 buffers (e.g.
     SGLang's ``array('q')`` of a request's tokens) at least ``n`` long. Here by galloping windows
     and bisection: O(log n) C-level slice compares, no Python loop per token."""
-    views = []
-    for buffer in (a, b):
-        try:
-            view = memoryview(buffer)
-        except TypeError:
-            view = None
-        if view is None or not _is_int64_vector(view):
-            raise TypeError("common_prefix: a and b must be 1-D int64 buffers")
-        views.append(view)
-    x, y = views
+    wrong = "common_prefix: a and b must be 1-D int64 buffers"
+    x, y = _int64_view(a, wrong), _int64_view(b, wrong)
     if n < 0 or n > len(x) or n > len(y):
         raise ValueError("common_prefix: n must be within both buffers")
     lo, step = 0, 16
@@ -306,8 +292,16 @@ def common_prefix(a: Any, b: Any, n: int) -> int:
     return n
 
 
-def _is_int64_vector(view: memoryview) -> bool:
-    return view.ndim == 1 and view.itemsize == 8 and view.format in ("q", "l") and view.c_contiguous
+def _int64_view(buffer: Any, wrong: str) -> memoryview:
+    """``buffer`` as a memoryview of a contiguous 1-D int64 vector, or ``TypeError(wrong)``."""
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(wrong) from None
+    int64 = view.ndim == 1 and view.itemsize == 8 and view.format in ("q", "l")
+    if not int64 or not view.c_contiguous:
+        raise TypeError(wrong)
+    return view
 
 
 _PYTHON = {

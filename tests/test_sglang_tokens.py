@@ -9,7 +9,8 @@ from array import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplug.integrations.sglang.tokens import TokenTuples, common_prefix
+from kvplug.integrations.sglang.tokens import TokenTuples
+from kvplug.speedups import common_prefix
 
 
 def test_a_growing_array_is_extended_not_converted_again() -> None:

@@ -26,12 +26,6 @@ __all__ = ["TokenTuples"]
 _START = 16  # tokens that index the shared-prefix table (one page at SGLang's usual sizes)
 
 
-def common_prefix(a: array[int], b: array[int], n: int) -> int:
-    """The length of the common prefix of ``a[:n]`` and ``b[:n]`` (both at least ``n`` long):
-    one C pass over both arrays (``kvplug.speedups.common_prefix``), no token boxed."""
-    return speedups.common_prefix(a, b, n)
-
-
 class TokenTuples:
     """``tuple(ids[:length])`` for SGLang's token arrays, memoised per array and shared between
     arrays that start alike (see the module docstring). At most ``capacity`` arrays are
@@ -82,7 +76,7 @@ class TokenTuples:
         if other is None:
             return tuple(seen)
         their, tokens = other
-        same = common_prefix(seen, their, min(length, len(their)))
+        same = speedups.common_prefix(seen, their, min(length, len(their)))
         if same == length and len(tokens) == length:
             return tokens
         return tokens[:same] + tuple(seen[same:])

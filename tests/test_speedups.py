@@ -521,12 +521,11 @@ def test_expand_units_lists_every_slot_of_each_page(kernel):
     assert outcome(kernel, "expand_units", np.array([1], dtype=np.int64), 0, out)[0] == "ValueError"
 
 
-def release(kernel: str, idx, state, div: int, ids, top: int):
+def release(kernel: str, idx, state, div: int, ids, top: int, high: int = 15):
     """release_slots on fresh scratch; returns its result, the stack ids and the state after."""
     idx = np.asarray(idx, dtype=np.int64)
     ids = np.asarray(ids, dtype=np.int64).copy()
     state = None if state is None else np.asarray(state, dtype=np.int8).copy()
-    high = 15
     result = run(
         kernel,
         "release_slots",
@@ -600,22 +599,8 @@ def paged(kernel: str, name: str, idx, state, div: int, top: int = 0):
         scratch = np.zeros(high + 1, dtype=np.int64)
         result = run(kernel, name, idx, state, div, 1, div, high, scratch, 2)
         return result, state.tolist()
-    ids = np.arange(100, 100 + 64, dtype=np.int64)
-    result = run(
-        kernel,
-        name,
-        idx,
-        state,
-        div,
-        div,
-        high,
-        np.zeros(high + 1, dtype=np.int64),
-        np.zeros(high // div + 1, dtype=np.int64),
-        np.zeros(max(idx.size, 1), dtype=np.int64),
-        ids,
-        top,
-    )
-    return result, state.tolist(), ids.tolist()
+    result, ids, after = release(kernel, idx, state, div, range(100, 100 + 64), top, high)
+    return result, after, ids
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

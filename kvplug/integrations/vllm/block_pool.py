@@ -142,16 +142,10 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         created = table.created[block_id]
         if not created:
             return None
-        num_tokens = table.tokens[block_id]
-        stats = BlockStats(block_id, created, num_tokens)
+        stats = BlockStats(block_id, created, 0)
+        table.describe(stats, self._blocks[block_id])
         stats.last_access_time = table.last[block_id]
         stats.hit_count = table.hits[block_id]
-        stats.new_tokens = num_tokens
-        content = table.content[block_id]
-        if content is not None:
-            stats.content_id = hash(content)
-            hash_tokens = self._blocks[block_id].block_hash_num_tokens
-            stats.depth = max(hash_tokens - num_tokens, 0) if hash_tokens else 0
         return stats
 
     def is_leaf(self, block_id: int) -> bool:

@@ -67,6 +67,18 @@ class BlockTable:
         self.tokens = [0] * num_blocks
         self.content: list[Any] = [None] * num_blocks
 
+    def describe(self, stats: BlockStats, block: Any) -> None:
+        """Set the fields of ``stats`` that last as long as its block's content (``block``:
+        vLLM's ``KVCacheBlock``): creation, tokens, ``depth`` and ``content_id``."""
+        block_id = stats.block_id
+        num_tokens = self.tokens[block_id]
+        stats.creation_time = self.created[block_id]
+        stats.num_tokens = stats.new_tokens = num_tokens
+        hash_tokens = block.block_hash_num_tokens
+        stats.depth = max(hash_tokens - num_tokens, 0) if hash_tokens else 0
+        content = self.content[block_id]
+        stats.content_id = hash(content) if content is not None else 0
+
 
 class BlockRank:
     """Which candidate block (a free cached chain leaf) is evicted next."""
@@ -426,14 +438,7 @@ class PolicyRank(BlockRank):
             stats = self._stats[block_id] = BlockStats(block_id, created, 0)
         if self._stamp[block_id] != created:  # new content: new lifetime
             self._stamp[block_id] = created
-            stats.creation_time = created
-            num_tokens = table.tokens[block_id]
-            stats.num_tokens = stats.new_tokens = num_tokens
-            block = self._blocks[block_id]
-            hash_tokens = block.block_hash_num_tokens
-            stats.depth = max(hash_tokens - num_tokens, 0) if hash_tokens else 0
-            content = table.content[block_id]
-            stats.content_id = hash(content) if content is not None else 0
+            table.describe(stats, self._blocks[block_id])
         stats.last_access_time = table.last[block_id]
         stats.hit_count = table.hits[block_id]
         return stats

@@ -81,6 +81,18 @@ def test_only_pages_without_held_children_are_evicted():
     assert tier.contains(keys(a)) == 3
 
 
+def test_a_run_that_evicts_midway_keeps_its_head_behind_its_tail():
+    # b needs room while a (stored by the same put) is pending: a becomes a candidate, x goes;
+    # then b chains from a, so a is no candidate any more and the next eviction takes b
+    tier = host(2)
+    (x,) = chain(1, seed=1)
+    a, b = chain(2, seed=2)
+    tier.put([x])
+    assert keys(tier.put([a, b])) == [x.key]
+    assert keys(tier.put(chain(1, seed=3))) == [b.key]
+    assert tier.contains([a.key]) == 1
+
+
 def test_removing_a_tail_makes_its_parent_a_candidate():
     tier = host(3)
     a = chain(3, seed=1)

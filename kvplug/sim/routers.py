@@ -22,6 +22,10 @@ arrives (requests are served one at a time), so in-flight load is always zero; t
 fields hold each instance's *backlog*: how far its served work (requests, blocks) is ahead of
 the least-served instance, the queue it would have if all instances worked at the same pace.
 Routers read the same fields under both timings.
+
+Under ``trace`` timing a router hears of what an instance did (its KV events, a request's first
+token, its end) once the instance's step that did it has ended by the request's arrival; a step
+still running at the arrival is heard of at a later one.
 """
 
 from __future__ import annotations
@@ -80,9 +84,12 @@ class NoOptions(FrozenModel):
 
 class Router:
     """Base: ``route`` returns the instance index; ``observe`` takes an instance's KV-event
-    batches when the router ``needs_events``."""
+    batches when the router ``needs_events``; ``first_token`` and ``finished`` tell a router
+    that ``tracks_requests`` (one in the response path, as Dynamo's is) when a request it routed
+    streamed its first token back and when its stream ended (finished or aborted)."""
 
     needs_events = False
+    tracks_requests = False
 
     def __init__(self, instances: int, block_size: int, seed: int) -> None:
         self.instances = instances
@@ -94,6 +101,12 @@ class Router:
 
     def observe(self, instance: int, batches: list[Any]) -> None:
         """The KV-event batches ``instance`` published since the last call (oldest first)."""
+
+    def first_token(self, instance: int, request_id: int) -> None:
+        """Request ``request_id`` (its trace index) returned its first token from ``instance``."""
+
+    def finished(self, instance: int, request_id: int) -> None:
+        """Request ``request_id``'s stream from ``instance`` ended."""
 
     def _pick_min(self, costs: Sequence[Any]) -> int:
         """The index of the smallest cost; ties broken at random (seeded), as Dynamo and llm-d

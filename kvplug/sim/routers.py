@@ -306,7 +306,8 @@ class KVAwareOptions(FrozenModel):
     of ``-logit / (max - min) / temperature`` (``softmax_sample``). Workers tied on the lowest
     logit go to the one whose indexer tree holds the fewest blocks (``tree_sizes``), then at
     random. Not modelled, all off by default in Dynamo: the router queue
-    (``router_queue_threshold`` None), the busy threshold, output-block decay, replica sync.
+    (``router_queue_threshold`` None, ``config.rs``), the busy threshold (``busy_threshold``
+    None disables it, ``push_router.rs``), output blocks and their decay, replica sync.
     """
 
     overlap_weight: float = Field(1.0, ge=0)

@@ -18,6 +18,7 @@ one instance both loops make exactly the calls ``run_one`` makes (a test holds t
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from pydantic import Field
 
 from kvplug_hookspecs import FrozenModel, PrefixCacheContext
 
-from ..engine import Scheduler, SchedulerOptions
+from ..engine import Request, Scheduler, SchedulerOptions
 from ..stack import KVCacheStack, build
 from .metrics import RunResult
 from .replay import (
@@ -109,6 +110,40 @@ class _Instance:
         self.scheduler = Scheduler(stack, None, options)
         self.page = self.scheduler.page_size
         self.served_tokens = self.served_requests = self.served_blocks = 0
+        self.awaiting: list[Request] = []  # routed here, no first token yet
+        # what each step told the router, heard once the step has ended: (end ms, KV-event
+        # batches, requests that streamed their first token, requests that ended)
+        self.outbox: deque[tuple[float, list[Any], list[int], list[int]]] = deque()
+
+    def post(self, lifecycle: bool) -> None:
+        """After a step: queue what it published for the router (before ``fold``)."""
+        s = self.scheduler
+        batches = self.batcher.take_batches() if self.batcher is not None else []
+        started: list[int] = []
+        ended: list[int] = []
+        if lifecycle:
+            ended = [r.request_id for r in s.finished]
+            if self.awaiting:
+                started = [r.request_id for r in self.awaiting if r.output]
+                if started or ended:
+                    gone = set(ended)
+                    self.awaiting = [
+                        r for r in self.awaiting if not r.output and r.request_id not in gone
+                    ]
+        if batches or started or ended:
+            self.outbox.append((s.now_ms, batches, started, ended))
+
+    def deliver(self, router: Router, instance: int, until_ms: float) -> None:
+        """Hand the router what steps ending by ``until_ms`` published, oldest first."""
+        outbox = self.outbox
+        while outbox and outbox[0][0] <= until_ms:
+            _, batches, started, ended = outbox.popleft()
+            if batches:
+                router.observe(instance, batches)
+            for request_id in started:
+                router.first_token(instance, request_id)
+            for request_id in ended:
+                router.finished(instance, request_id)
 
     def _publishing(self, stack: KVCacheStack) -> KVCacheStack:
         """The stack with an in-process ``EventBatcher`` as its cache's event sink."""
@@ -194,6 +229,7 @@ def _run_cluster(spec: ClusterSpec) -> ClusterResult:
     router: Router = make_router(spec.router, spec.instances, page, spec.seed, spec.router_options)
     instances = [_Instance(run, router.needs_events) for _ in range(spec.instances)]
     sequential = run.timing == "sequential"
+    listening = router.needs_events or router.tracks_requests
     cost = run.cost
     saved = total = 0.0
     requests = 0
@@ -217,9 +253,10 @@ def _run_cluster(spec: ClusterSpec) -> ClusterResult:
         clock = min((inst.clock() for inst in busy), default=float("inf"))
         if pending is not None and (not busy if sequential else pending.timestamp_ms <= clock):
             t0 = time.perf_counter()
-            if router.needs_events:
+            if listening:
+                heard = float("inf") if sequential else pending.timestamp_ms
                 for k, inst in enumerate(instances):
-                    router.observe(k, inst.batcher.take_batches())
+                    inst.deliver(router, k, heard)
             tokens = tuple(pending.prompt)
             loads = _loads(instances, sequential)
             chosen = router.route(pending, tokens, loads)
@@ -233,7 +270,10 @@ def _run_cluster(spec: ClusterSpec) -> ClusterResult:
             inst.served_tokens += len(tokens)
             inst.served_requests += 1
             inst.served_blocks += -(-(len(tokens) + pending.output_length) // page)
-            inst.scheduler.add_request(scheduled(pending))
+            request = scheduled(pending)
+            inst.scheduler.add_request(request)
+            if router.tracks_requests:
+                inst.awaiting.append(request)
             requests += 1
             pending = next(trace, None)
             continue
@@ -242,7 +282,12 @@ def _run_cluster(spec: ClusterSpec) -> ClusterResult:
         inst = next(i for i in busy if i.clock() == clock)  # the first such: lowest index
         inst.scheduler.next_arrival_ms = None if pending is None else pending.timestamp_ms
         inst.scheduler.step()
+        if listening:
+            inst.post(router.tracks_requests)
         fold(inst)
+    if listening:  # what the last steps published (the event count covers every event)
+        for k, inst in enumerate(instances):
+            inst.deliver(router, k, float("inf"))
     wall = time.perf_counter() - started
     return _result(
         spec, config, instances, requests, saved, total, routing, max_queue, queues, router, wall

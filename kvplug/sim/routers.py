@@ -10,7 +10,8 @@ publish. It never reads an instance's cache directly.
 ``session``        consistent hashing of the session (conversation) id onto a ring
 ``prefix_aware``   SGLang router's cache-aware policy: an approximate prefix tree per worker
 ``kv_aware``       NVIDIA Dynamo's KV router: overlap from the instances' KV events, cost
-                   ``overlap_weight x prefill_blocks + decode_blocks``
+                   ``overlap_weight x prefill_blocks + decode_blocks`` over the router's own
+                   record of the requests it sent each worker
 ``llmd``           llm-d's precise prefix-cache scorer (from KV events, device block 1.0, host
                    block 0.8) combined with its queue and KV-utilisation scorers
 =================  ==========================================================================
@@ -21,13 +22,19 @@ on it and their KV blocks. Under ``sequential`` timing every instance is idle wh
 arrives (requests are served one at a time), so in-flight load is always zero; there the load
 fields hold each instance's *backlog*: how far its served work (requests, blocks) is ahead of
 the least-served instance, the queue it would have if all instances worked at the same pace.
-Routers read the same fields under both timings.
+Routers read the same fields under both timings. ``kv_aware`` reads none of them: as Dynamo's
+router does, it counts load from what it routed and what streamed back.
+
+Under ``trace`` timing a router hears of what an instance did (its KV events, a request's first
+token, its end) once the instance's step that did it has ended by the request's arrival; a step
+still running at the arrival is heard of at a later one.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -80,9 +87,12 @@ class NoOptions(FrozenModel):
 
 class Router:
     """Base: ``route`` returns the instance index; ``observe`` takes an instance's KV-event
-    batches when the router ``needs_events``."""
+    batches when the router ``needs_events``; ``first_token`` and ``finished`` tell a router
+    that ``tracks_requests`` (one in the response path, as Dynamo's is) when a request it routed
+    streamed its first token back and when its stream ended (finished or aborted)."""
 
     needs_events = False
+    tracks_requests = False
 
     def __init__(self, instances: int, block_size: int, seed: int) -> None:
         self.instances = instances
@@ -94,6 +104,12 @@ class Router:
 
     def observe(self, instance: int, batches: list[Any]) -> None:
         """The KV-event batches ``instance`` published since the last call (oldest first)."""
+
+    def first_token(self, instance: int, request_id: int) -> None:
+        """Request ``request_id`` (its trace index) returned its first token from ``instance``."""
+
+    def finished(self, instance: int, request_id: int) -> None:
+        """Request ``request_id``'s stream from ``instance`` ended."""
 
     def _pick_min(self, costs: Sequence[Any]) -> int:
         """The index of the smallest cost; ties broken at random (seeded), as Dynamo and llm-d
@@ -265,35 +281,147 @@ class _EventRouter(Router):
 
 
 class KVAwareOptions(FrozenModel):
-    """NVIDIA Dynamo's KV router (``--router-mode kv``), its defaults.
+    """NVIDIA Dynamo's KV router (``--router-mode kv``), its defaults and its cost, term by term
+    as ``lib/llm/src/kv_router`` computes them.
 
-    Each worker's cost is ``overlap_weight x prefill_blocks + decode_blocks``: prefill blocks
-    are the request's blocks the worker does not hold (overlap read from the worker's KV
-    events) plus the prompt blocks it still has to prefill; decode blocks are the KV blocks of
-    its active requests plus this one's. The cheapest wins; ties are broken at random
-    (Dynamo's ``router_temperature`` 0). ``overlap_weight``: Dynamo's
-    ``kv_overlap_score_weight`` (1.0: a cached block is worth one block of load).
+    Each worker's logit is ``overlap_weight x prefill_blocks + decode_blocks``, lower better
+    (``DefaultWorkerSelector::select_worker``, ``scheduler.rs``):
+
+    * ``prefill_blocks`` = potential prefill tokens / block size, a fraction of a block: the
+      request's ``isl - overlap x block_size`` (``ActiveSequences::new_tokens``, ``sequence.rs``;
+      ``overlap``: the worker's run of the prompt's whole blocks held, from the router's KV-event
+      indexer) plus the prefill tokens of the requests the router sent the worker that have not
+      yet returned their first token (``active_tokens``; a request stops counting when its first
+      token streams back, ``mark_prefill_completed`` in ``KvPushRouter``).
+    * ``decode_blocks`` = the distinct blocks of the worker's active sequences (those routed and
+      not yet freed: a block shared by several counts once, ``ActiveSequences::active_blocks``
+      over ``unique_blocks``) plus the request's whole prompt blocks not among them
+      (``new_blocks``): its cached blocks are counted too unless an active sequence holds them.
+      Output blocks are not counted (``router_track_output_blocks`` defaults to false).
+
+    This bookkeeping is the router's own (``ActiveSequencesMultiWorker``), updated when it
+    routes, when a request's first token comes back and when its stream ends; it reads no load
+    from the engines. ``overlap_weight``: ``kv_overlap_score_weight`` (1.0). ``temperature``:
+    ``router_temperature`` (0.0: the lowest logit); above 0 a worker is drawn from the softmax
+    of ``-logit / (max - min) / temperature`` (``softmax_sample``). Workers tied on the lowest
+    logit go to the one whose indexer tree holds the fewest blocks (``tree_sizes``), then at
+    random. Not modelled, all off by default in Dynamo: the router queue
+    (``router_queue_threshold`` None, ``config.rs``), the busy threshold (``busy_threshold``
+    None disables it, ``push_router.rs``), output blocks and their decay, replica sync.
     """
 
     overlap_weight: float = Field(1.0, ge=0)
+    temperature: float = Field(0.0, ge=0)
+
+
+class ActiveSequences:
+    """One worker's active requests as Dynamo's router tracks them (``ActiveSequences``,
+    ``sequence.rs``): their whole-block sequence keys, shared blocks counted once, and the
+    prefill tokens of those still prefilling."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: dict[int, int] = {}  # key -> active sequences holding it
+        self.sequences: dict[int, list[int]] = {}
+        self.prefilling: dict[int, int] = {}  # request -> its prefill tokens
+        self.active_tokens = 0
+
+    def new_tokens(self, isl: int, overlap: int) -> int:
+        return max(0, isl - overlap * self.block_size)
+
+    def new_blocks(self, keys: Sequence[int]) -> int:
+        blocks = self.blocks
+        return sum(1 for key in keys if key not in blocks)
+
+    @property
+    def active_blocks(self) -> int:
+        return len(self.blocks)
+
+    def add(self, request_id: int, keys: Sequence[int], isl: int, overlap: int) -> None:
+        tokens = self.new_tokens(isl, overlap)
+        self.prefilling[request_id] = tokens
+        self.active_tokens += tokens
+        blocks = self.blocks
+        for key in keys:
+            blocks[key] = blocks.get(key, 0) + 1
+        self.sequences[request_id] = list(keys)
+
+    def prefill_done(self, request_id: int) -> None:
+        self.active_tokens -= self.prefilling.pop(request_id, 0)
+
+    def free(self, request_id: int) -> None:
+        self.prefill_done(request_id)
+        blocks = self.blocks
+        for key in self.sequences.pop(request_id, ()):
+            left = blocks[key] - 1
+            if left:
+                blocks[key] = left
+            else:
+                del blocks[key]
 
 
 class KVAwareRouter(_EventRouter):
-    """Dynamo-style KV-aware routing from the instances' published ``KVEventBatch``es."""
+    """Dynamo-style KV-aware routing: overlap from the instances' published ``KVEventBatch``es,
+    load from the router's own record of what it sent (see :class:`KVAwareOptions`)."""
 
     options: KVAwareOptions
+    tracks_requests = True
+
+    def __init__(self, instances: int, block_size: int, seed: int, options: Any) -> None:
+        super().__init__(instances, block_size, seed, options)
+        self.active = [ActiveSequences(block_size) for _ in range(instances)]
+
+    def logits(self, tokens: Sequence[int]) -> tuple[list[float], list[int], list[int]]:
+        """Each worker's logit, overlap (blocks) and the prompt's whole-block keys."""
+        keys = block_keys(tokens, self.block_size)
+        isl, size, weight = len(tokens), self.block_size, self.options.overlap_weight
+        logits, overlaps = [], []
+        for i, active in enumerate(self.active):
+            overlap = len(self.index.prefix(i, keys))
+            prefill = (active.new_tokens(isl, overlap) + active.active_tokens) / size
+            decode = active.new_blocks(keys) + active.active_blocks
+            logits.append(weight * prefill + decode)
+            overlaps.append(overlap)
+        return logits, overlaps, keys
 
     def route(self, request: TraceRequest, tokens: Sequence[int], loads: list[InstanceLoad]) -> int:
-        keys = self._cacheable_keys(tokens)
-        blocks = -(-len(tokens) // self.block_size)
-        weight = self.options.overlap_weight
-        costs = []
-        for i, load in enumerate(loads):
-            overlap = len(self.index.prefix(i, keys))
-            prefill = blocks - overlap + load.prefill_blocks
-            decode = load.active_blocks + blocks
-            costs.append(weight * prefill + decode)
-        return self._pick_min(costs)
+        logits, overlaps, keys = self.logits(tokens)
+        chosen = self._select(logits)
+        self.active[chosen].add(request.index, keys, len(tokens), overlaps[chosen])
+        return chosen
+
+    def _select(self, logits: list[float]) -> int:
+        temperature = self.options.temperature
+        if temperature > 0:
+            return self._softmax_sample(logits, temperature)
+        best = min(logits)
+        tied = [i for i, x in enumerate(logits) if x == best]
+        if len(tied) > 1:  # the smallest indexer tree, then at random
+            sizes = [len(self.index.held[i]) for i in tied]
+            smallest = min(sizes)
+            tied = [i for i, s in zip(tied, sizes) if s == smallest]
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+    def _softmax_sample(self, logits: list[float], temperature: float) -> int:
+        lo, hi = min(logits), max(logits)
+        if lo == hi:
+            return self.rng.randrange(len(logits))
+        scaled = [-(x / (hi - lo)) / temperature for x in logits]
+        top = max(scaled)
+        weights = [math.exp(x - top) for x in scaled]
+        total = sum(weights)
+        sample, cumulative = self.rng.random(), 0.0
+        for i, w in enumerate(weights):
+            cumulative += w / total
+            if sample <= cumulative:
+                return i
+        return len(logits) - 1
+
+    def first_token(self, instance: int, request_id: int) -> None:
+        self.active[instance].prefill_done(request_id)
+
+    def finished(self, instance: int, request_id: int) -> None:
+        self.active[instance].free(request_id)
 
 
 class LlmdOptions(FrozenModel):

@@ -394,28 +394,17 @@ class KVAwareRouter(_EventRouter):
         temperature = self.options.temperature
         if temperature > 0:
             return self._softmax_sample(logits, temperature)
-        best = min(logits)
-        tied = [i for i, x in enumerate(logits) if x == best]
-        if len(tied) > 1:  # the smallest indexer tree, then at random
-            sizes = [len(self.index.held[i]) for i in tied]
-            smallest = min(sizes)
-            tied = [i for i, s in zip(tied, sizes) if s == smallest]
-        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        # the lowest logit; among those the smallest indexer tree, then at random
+        held = self.index.held
+        return self._pick_min([(x, len(held[i])) for i, x in enumerate(logits)])
 
     def _softmax_sample(self, logits: list[float], temperature: float) -> int:
+        """A draw from the softmax of ``-logit / (max - min) / temperature``."""
         lo, hi = min(logits), max(logits)
         if lo == hi:
             return self.rng.randrange(len(logits))
-        scaled = [-(x / (hi - lo)) / temperature for x in logits]
-        top = max(scaled)
-        weights = [math.exp(x - top) for x in scaled]
-        total = sum(weights)
-        sample, cumulative = self.rng.random(), 0.0
-        for i, w in enumerate(weights):
-            cumulative += w / total
-            if sample <= cumulative:
-                return i
-        return len(logits) - 1
+        weights = [math.exp((lo - x) / (hi - lo) / temperature) for x in logits]
+        return self.rng.choices(range(len(logits)), weights)[0]
 
     def first_token(self, instance: int, request_id: int) -> None:
         self.active[instance].prefill_done(request_id)

@@ -123,7 +123,7 @@ class FeedbackEvictionPolicy:
       is the :class:`Ghost` of an earlier eviction of the same content when one matches
       (same ``content_id``), i.e. the policy evicted that content too early; else ``None``.
       Only a candidate created at the current tick is matched (a parent that became a leaf
-      again is not re-inserted content).
+      again is not re-inserted content), or one the cache passes to :meth:`insert`.
     * ``on_hit(c, age)`` — ``c``'s ``hit_count`` grew: a request reused it ``age`` clock ticks
       after its previous access. Called for cached candidates that are not evictable right now,
       too (hits on locked or inner nodes the policy saw as leaves before).
@@ -262,15 +262,17 @@ class FeedbackEvictionPolicy:
 
     # -- the protocol ----------------------------------------------------------------------------
 
-    def _seen(self, candidate: EvictionCandidate) -> list[int]:
-        """The candidate's state, reporting a hit when its ``hit_count`` grew since last seen."""
+    def _seen(self, candidate: EvictionCandidate, inserted: bool = False) -> list[int]:
+        """The candidate's state, reporting a hit when its ``hit_count`` grew since last seen;
+        ``inserted``: it is new content, whatever its ``creation_time`` (see :meth:`insert`)."""
         if candidate.last_access_time > self.now:
             self.now = candidate.last_access_time
         state = self._state.get(candidate)
         if state is None:
             state = [candidate.last_access_time, candidate.hit_count, candidate.num_tokens]
             self._state[candidate] = state
-            fresh = candidate.creation_time >= self.now  # created now, not an old parent
+            # created now (not an old parent that became a leaf again), or said to be new
+            fresh = inserted or candidate.creation_time >= self.now
             self.on_insert(candidate, self.take_ghost(candidate) if fresh else None)
             return state
         if candidate.hit_count > state[1]:
@@ -315,6 +317,22 @@ class FeedbackEvictionPolicy:
             self._update(candidate)
         else:
             self._enter(candidate)
+
+    def insert(self, candidate: EvictionCandidate) -> None:
+        """``candidate`` holds new content and becomes evictable: :meth:`add`, except that it
+        is an insert (``on_insert``, matched against ghosts) whatever its ``creation_time``,
+        and whatever was known of the object before is forgotten.
+
+        For a cache that shows content to its policy only some time after creating it, and
+        knows when the content is new: vLLM's block pool offers a block when it is freed (its
+        content was cached earlier) and reuses one candidate object per block.
+        """
+        self._settle()
+        if candidate in self:
+            self._leave(candidate)
+        self._state.pop(candidate, None)
+        self._seen(candidate, True)
+        self._enter(candidate)
 
     def discard(self, candidate: EvictionCandidate) -> None:
         """``candidate`` is no longer evictable (its state is kept: it is still cached)."""

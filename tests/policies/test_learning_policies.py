@@ -124,6 +124,29 @@ def test_feedback_is_derived_from_plain_calls():
     assert p.events[-1] == ("insert", ghost_free.node_id, None)
 
 
+def test_insert_matches_ghosts_of_content_created_earlier():
+    """vLLM offers a block when it is freed, after it was cached: ``add`` sees an old parent,
+    ``insert`` an insert (ghost matched, what was known of the object forgotten)."""
+    p = Recorder()
+    a = leaf(1, content=11)
+    p.add(a)
+    assert p.pop() is a
+    late = leaf(2, content=11)  # a's content cached again at 2, offered at 5
+    late.last_access_time = 5
+    p.add(late)
+    assert p.events[-1] == ("insert", late.node_id, None)  # not created now: no ghost
+    assert p.pop() is late
+    again = leaf(6, content=11)
+    again.last_access_time = 8
+    p.insert(again)
+    assert p.events[-1] == ("insert", again.node_id, 5)  # late's ghost, evicted at 5
+    hit(p, again, 9)
+    again.content_id, again.creation_time, again.hit_count = 33, 10, 0  # reused in place
+    p.insert(again)  # a new content in a known object: a new insert, no stale hit
+    assert p.events[-2:] == [("hit", again.node_id, 1), ("insert", again.node_id, None)]
+    assert again in p and len(p) == 1
+
+
 def test_exact_cut_is_not_a_new_candidate_and_ghosts_are_bounded():
     p = Recorder()
     cs = [leaf(i, content=100 + i) for i in range(1, 5)]

@@ -7,19 +7,25 @@ candidates are block ids and their statistics sit in the queue's per-block lists
 integer heaps of ``key << bits | block_id`` (compared in C, no tuples, no objects per block).
 
 Each rank makes exactly the choices its policy makes on the same candidates (the tests drive
-both side by side): the same keys, the same feedback (a hit is seen when a block joins again
-with more hits than when it was last seen; ``arc``'s and ``s3fifo``'s ghosts never match in
-vLLM, where a block joins only once freed, after it was created). A block's new content is a
-new candidate: its state is reset (``created`` changed). :func:`rank_for` picks the rank of a
-policy, or ``None`` for policies without one (they run through :class:`PolicyRank`).
+both side by side): the same keys, the same feedback. A hit is seen when a block joins again
+with more hits than when it was last seen. A block's new content is a new candidate (its state
+is reset: ``created`` changed) and an insert in the policy's terms: vLLM offers it when the
+block is first freed, after it was cached, so a :class:`PolicyRank` passes it to the policy's
+``insert``. An eviction (``pop``: vLLM then drops the block's hash to reuse it) leaves a ghost
+keyed by the block hash, bounded by the policy's ``ghost_entries``; new content whose hash has
+a ghost (computed again after its eviction, in whichever block) is returning content: ``arc``
+puts it in T2 and adapts ``p``, ``s3fifo`` puts it in the main queue, as the policies do.
+:func:`rank_for` picks the rank of a policy, or ``None`` for policies without one (they run
+through :class:`PolicyRank`).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from typing import Any
 
-from kvplug_hookspecs import CandidateStats, EvictionPolicy
+from kvplug_hookspecs import CandidateStats, EvictionPolicy, FeedbackEvictionPolicy
 
 from ...policies.arc import ARCPolicy
 from ...policies.builtin import LFUPolicy, LRUPolicy, PriorityPolicy, SLRUPolicy
@@ -228,7 +234,9 @@ class S3FIFORank(BlockRank):
 
     _S, _M = 1, 2
 
-    def __init__(self, table: BlockTable, small_fraction: float, max_freq: int) -> None:
+    def __init__(
+        self, table: BlockTable, small_fraction: float, max_freq: int, ghost_entries: int
+    ) -> None:
         n = len(table.last)
         self._table = table
         self._small, self._main = _IntHeap(n), _IntHeap(n)
@@ -241,6 +249,8 @@ class S3FIFORank(BlockRank):
         self._clock = 0
         self._fraction = small_fraction
         self._max_freq = max_freq
+        self._ghosts: OrderedDict[Any, None] = OrderedDict()  # contents evicted, oldest first
+        self._ghost_entries = ghost_entries
 
     def _leave(self, block_id: int) -> None:
         if self._queue[block_id] == self._S:
@@ -260,10 +270,16 @@ class S3FIFORank(BlockRank):
     def add(self, block_id: int) -> None:
         table = self._table
         hits = table.hits[block_id]
-        if self._stamp[block_id] != table.created[block_id]:  # new content: S's tail
+        if self._stamp[block_id] != table.created[block_id]:  # new content: S's or M's tail
             self._stamp[block_id] = table.created[block_id]
             self._clock += 1
-            self._queue[block_id], self._position[block_id] = self._S, self._clock
+            queue = self._S
+            ghosts = self._ghosts
+            if ghosts and table.content[block_id] in ghosts:  # evicted before: straight to M
+                del ghosts[table.content[block_id]]
+                queue = self._M
+            self._queue[block_id] = queue
+            self._position[block_id] = self._clock
             self._freq[block_id] = 0
         else:
             if hits > self._seen_hits[block_id] and self._freq[block_id] < self._max_freq:
@@ -311,8 +327,20 @@ class S3FIFORank(BlockRank):
                     main.remove(block_id)
                     self._main_tokens -= tokens[block_id]
             if remove:
-                self._stamp[block_id] = -1  # evicted: its state goes
+                self._stamp[block_id] = -1  # evicted: its state goes, its ghost stays
+                self._ghost(self._table.content[block_id])
             return block_id
+
+    def _ghost(self, content: Any) -> None:
+        ghosts = self._ghosts
+        if content is None:
+            return
+        if content in ghosts:
+            ghosts.move_to_end(content)
+        else:
+            ghosts[content] = None
+            if len(ghosts) > self._ghost_entries:
+                ghosts.popitem(last=False)
 
     def pop(self) -> int:
         return self._victim(True)
@@ -333,13 +361,14 @@ class S3FIFORank(BlockRank):
 
 class ARCRank(BlockRank):
     """``arc`` (:class:`~kvplug.policies.arc.ARCPolicy`) over block ids: T1 (seen once) and T2
-    (reused) in LRU order, T1 evicted while it holds more than ``p`` tokens.
-
-    No ghost ever matches in vLLM (a block joins after its creation tick), so ``p`` keeps the
-    value it gets when the first tokens enter, as in the policy.
+    (reused, or returning content) in LRU order, T1 evicted while it holds more than ``p``
+    tokens; the ghost of returning content (its block hash, evicted from T1 or T2) adapts ``p``
+    as in the policy.
     """
 
-    def __init__(self, table: BlockTable, initial_recency_fraction: float) -> None:
+    def __init__(
+        self, table: BlockTable, initial_recency_fraction: float, ghost_entries: int
+    ) -> None:
         n = len(table.last)
         self._table = table
         self._t1, self._t2 = _IntHeap(n), _IntHeap(n)
@@ -349,8 +378,11 @@ class ARCRank(BlockRank):
         self._seen_hits = [0] * n
         self._fraction = initial_recency_fraction
         self._capacity = 0
+        self._ghosts: OrderedDict[Any, int] = OrderedDict()  # content evicted -> from T2
+        self._ghost_entries = ghost_entries
+        self._b1 = self._b2 = 0.0  # decayed tokens evicted from T1 and from T2
         self.p = 0.0
-        """Target tokens of T1."""
+        """Target tokens of T1 (adapted on ghost hits)."""
 
     def _leave(self, block_id: int) -> None:
         if self._in_t2[block_id]:
@@ -362,9 +394,18 @@ class ARCRank(BlockRank):
     def add(self, block_id: int) -> None:
         table = self._table
         hits = table.hits[block_id]
-        if self._stamp[block_id] != table.created[block_id]:  # new content: T1
+        if self._stamp[block_id] != table.created[block_id]:  # new content: T1, T2 if returning
             self._stamp[block_id] = table.created[block_id]
-            self._in_t2[block_id] = 0
+            ghosts = self._ghosts
+            if ghosts and table.content[block_id] in ghosts:
+                size, b1, b2 = table.tokens[block_id], self._b1, self._b2
+                if ghosts.pop(table.content[block_id]):  # from T2: shrink T1's target
+                    self.p = max(0.0, self.p - size * max(1.0, b1 / max(b2, 1.0)))
+                else:  # from T1: recency was cut too short
+                    self.p = min(float(self._capacity), self.p + size * max(1.0, b2 / max(b1, 1.0)))
+                self._in_t2[block_id] = 1
+            else:
+                self._in_t2[block_id] = 0
         else:
             self._leave(block_id)
             if hits > self._seen_hits[block_id]:
@@ -395,11 +436,24 @@ class ARCRank(BlockRank):
         side = self._side()
         block_id = side.pop()
         if block_id >= 0:
+            table = self._table
+            tokens = table.tokens[block_id]
+            self._b1 *= 0.999  # ghosts are bounded: old evictions fade
+            self._b2 *= 0.999
             if side is self._t1:
-                self._t1_tokens -= self._table.tokens[block_id]
+                self._t1_tokens -= tokens
+                self._b1 += tokens
             else:
-                self._t2_tokens -= self._table.tokens[block_id]
+                self._t2_tokens -= tokens
+                self._b2 += tokens
             self._stamp[block_id] = -1
+            content = table.content[block_id]
+            if content is not None:  # its ghost: the list it left
+                ghosts = self._ghosts
+                ghosts.pop(content, None)
+                ghosts[content] = self._in_t2[block_id]
+                if len(ghosts) > self._ghost_entries:
+                    ghosts.popitem(last=False)
         return block_id
 
     def peek(self) -> int:
@@ -418,7 +472,13 @@ class ARCRank(BlockRank):
 
 class PolicyRank(BlockRank):
     """Any kvplug policy, through its own methods on one :class:`BlockStats` object per block
-    (renewed in place for new content); what runs for policies without a rank of their own."""
+    (renewed in place for new content); what runs for policies without a rank of their own.
+
+    New content joins a :class:`~kvplug_hookspecs.FeedbackEvictionPolicy` through its
+    ``insert`` (its ghosts are matched by the block hash, and what it knew of the block's old
+    content goes); a block the policy evicted gets a new object if it holds new content before
+    the policy has left the old content's ghost (at its next call).
+    """
 
     def __init__(self, table: BlockTable, policy: EvictionPolicy, blocks: list[Any]) -> None:
         self._table = table
@@ -426,6 +486,9 @@ class PolicyRank(BlockRank):
         self._blocks = blocks
         self._stats: list[BlockStats | None] = [None] * len(blocks)
         self._stamp = [0] * len(blocks)
+        self._joined = [0] * len(blocks)  # the content (``created``) last offered to the policy
+        self._popped: BlockStats | None = None  # the last victim (its ghost may be pending)
+        self._insert = policy.insert if isinstance(policy, FeedbackEvictionPolicy) else None
 
     def stats(self, block_id: int) -> BlockStats | None:
         """The policy's candidate object for the block, brought up to date with the table."""
@@ -434,8 +497,9 @@ class PolicyRank(BlockRank):
         if not created:
             return None
         stats = self._stats[block_id]
-        if stats is None:
+        if stats is None or (stats is self._popped and self._stamp[block_id] != created):
             stats = self._stats[block_id] = BlockStats(block_id, created, 0)
+            self._popped = None
         if self._stamp[block_id] != created:  # new content: new lifetime
             self._stamp[block_id] = created
             table.describe(stats, self._blocks[block_id])
@@ -444,7 +508,13 @@ class PolicyRank(BlockRank):
         return stats
 
     def add(self, block_id: int) -> None:
-        self.policy.add(self.stats(block_id))  # type: ignore[arg-type]
+        stats = self.stats(block_id)
+        created = self._table.created[block_id]
+        if self._insert is not None and self._joined[block_id] != created:
+            self._joined[block_id] = created
+            self._insert(stats)  # type: ignore[arg-type]
+        else:
+            self.policy.add(stats)  # type: ignore[arg-type]
 
     def discard(self, block_id: int) -> None:
         stats = self._stats[block_id]
@@ -452,8 +522,12 @@ class PolicyRank(BlockRank):
             self.policy.discard(stats)
 
     def pop(self) -> int:
-        stats = self.policy.pop()
-        return -1 if stats is None else stats.block_id  # type: ignore[attr-defined]
+        stats: Any = self.policy.pop()
+        if stats is None:
+            return -1
+        self._popped = stats
+        block_id: int = stats.block_id
+        return block_id
 
     def peek(self) -> int:
         stats = self.policy.peek()
@@ -481,7 +555,7 @@ def rank_for(policy: EvictionPolicy, table: BlockTable) -> BlockRank | None:
     if kind is SLRUPolicy:
         return KeyedRank(table, "slru", options.protected_hits)
     if kind is S3FIFOPolicy:
-        return S3FIFORank(table, options.small_fraction, options.max_freq)
+        return S3FIFORank(table, options.small_fraction, options.max_freq, options.ghost_entries)
     if kind is ARCPolicy:
-        return ARCRank(table, options.initial_recency_fraction)
+        return ARCRank(table, options.initial_recency_fraction, options.ghost_entries)
     return None

@@ -1,14 +1,15 @@
 """Each block rank makes exactly its policy's choices on the same candidates.
 
 The rank reads per-block lists; the policy gets one candidate object per cached content. Both
-see the same life of every block, as the vLLM queue drives them: cached (new content), hit
-while in use, freed (its recency), offered or withdrawn as a candidate, taken back by a
-request, or evicted by ``pop``. Needs no vLLM.
+see the same life of every block, as the vLLM queue drives them: cached (new content, or content
+evicted earlier computed again, in any block: the ghosts' case), hit while in use, freed (its
+recency), offered or withdrawn as a candidate, taken back by a request, or evicted by ``pop``.
+Needs no vLLM.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import settings
@@ -33,9 +34,9 @@ RANKED = ["lru", "lfu", "slru", "priority", "s3fifo", "arc"]
 N = 5
 
 
-def new_policy(name: str) -> Any:
+def new_policy(name: str, **options: Any) -> Any:
     registration = get_registry().get("eviction_policy", name)
-    return registration.factory(registration.options_model())
+    return registration.factory(registration.options_model(**options))
 
 
 @pytest.mark.parametrize(
@@ -86,14 +87,18 @@ class RankAgainstPolicy(RuleBasedStateMachine):
         self.state = ["new"] * N  # new, used, free (not a candidate), in, evicted
 
     name = "lru"
+    options: ClassVar[dict[str, Any]] = {}
 
     @initialize()
     def start(self) -> None:
         name = self.name
         self.table = BlockTable(N)
-        self.rank = rank_for(new_policy(name), self.table)
-        self.reference = _FreshPolicyRank(BlockTable(N), new_policy(name), [None] * N)
+        self.rank = rank_for(new_policy(name, **self.options), self.table)
+        self.reference = _FreshPolicyRank(
+            BlockTable(N), new_policy(name, **self.options), [None] * N
+        )
         self.clock = 0
+        self.gone: list[Any] = []  # contents evicted so far
 
     def tick(self) -> int:
         self.clock += 1
@@ -103,16 +108,22 @@ class RankAgainstPolicy(RuleBasedStateMachine):
         update(self.table)
         update(self.reference.table)
 
-    @rule(block=st.integers(1, N - 1), tokens=st.sampled_from([0, 16, 16, 32]))
-    def cache(self, block: int, tokens: int) -> None:
+    @rule(
+        block=st.integers(1, N - 1),
+        tokens=st.sampled_from([0, 16, 16, 32]),
+        back=st.integers(-3, 5),
+    )
+    def cache(self, block: int, tokens: int, back: int) -> None:
+        """New content, or (``back >= 0``) content evicted earlier, computed again."""
         if self.state[block] not in ("new", "used", "evicted"):
             return
         now = self.tick()
+        content = self.gone[-1 - back % len(self.gone)] if back >= 0 and self.gone else (block, now)
 
         def renew(table: BlockTable) -> None:
             table.created[block] = table.last[block] = now
             table.hits[block], table.tokens[block] = 0, tokens
-            table.content[block] = (block, now)
+            table.content[block] = content
 
         self.both(renew)
         self.reference.renew(block)
@@ -179,12 +190,15 @@ class RankAgainstPolicy(RuleBasedStateMachine):
         assert got == expected
         if got >= 0:
             self.state[got] = "evicted"
+            self.gone.append(self.table.content[got])
 
     @invariant()
     def same_candidates(self) -> None:
         assert len(self.rank) == len(self.reference)
         assert self.rank.peek() == self.reference.peek()
         assert all((b in self.rank) == (self.state[b] == "in") for b in range(N))
+        if isinstance(self.rank, ARCRank):
+            assert self.rank.p == self.reference.policy.p
 
 
 class _FreshPolicyRank(PolicyRank):
@@ -207,13 +221,14 @@ class _FreshPolicyRank(PolicyRank):
             self._stamp[block_id] = table.created[block_id]
             stats.creation_time = table.created[block_id]
             stats.num_tokens = table.tokens[block_id]
+            stats.content_id = hash(table.content[block_id])
         stats.last_access_time = table.last[block_id]
         stats.hit_count = table.hits[block_id]
         return stats
 
 
-def _machine(name: str) -> Any:
-    machine = type(f"RankAgainst_{name}", (RankAgainstPolicy,), {"name": name})
+def _machine(name: str, **options: Any) -> Any:
+    machine = type(f"RankAgainst_{name}", (RankAgainstPolicy,), {"name": name, "options": options})
     test = machine.TestCase
     test.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
     return test
@@ -225,3 +240,7 @@ TestSLRURank = _machine("slru")
 TestPriorityRank = _machine("priority")
 TestS3FIFORank = _machine("s3fifo")
 TestARCRank = _machine("arc")
+# ghosts bounded as the policies bound them: the oldest are forgotten first
+TestS3FIFORankFewGhosts = _machine("s3fifo", ghost_entries=2)
+TestARCRankFewGhosts = _machine("arc", ghost_entries=2)
+TestARCRankNoGhosts = _machine("arc", ghost_entries=0, initial_recency_fraction=0.25)

@@ -45,6 +45,17 @@ __all__ = [
 _heappush, _heappop, _heappushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
 
 
+def _leave_ghost(ghosts: OrderedDict[Any, Any], content: Any, tag: Any, capacity: int) -> None:
+    """Remember evicted ``content`` (a block hash; ``None``: nothing cached) as the newest
+    ghost, with ``tag``; the oldest is forgotten beyond ``capacity``."""
+    if content is None:
+        return
+    ghosts.pop(content, None)
+    ghosts[content] = tag
+    if len(ghosts) > capacity:
+        ghosts.popitem(last=False)
+
+
 class BlockStats(CandidateStats):
     """The statistics of a vLLM block's cached content (``block_id`` finds the block)."""
 
@@ -328,19 +339,8 @@ class S3FIFORank(BlockRank):
                     self._main_tokens -= tokens[block_id]
             if remove:
                 self._stamp[block_id] = -1  # evicted: its state goes, its ghost stays
-                self._ghost(self._table.content[block_id])
+                _leave_ghost(self._ghosts, self._table.content[block_id], None, self._ghost_entries)
             return block_id
-
-    def _ghost(self, content: Any) -> None:
-        ghosts = self._ghosts
-        if content is None:
-            return
-        if content in ghosts:
-            ghosts.move_to_end(content)
-        else:
-            ghosts[content] = None
-            if len(ghosts) > self._ghost_entries:
-                ghosts.popitem(last=False)
 
     def pop(self) -> int:
         return self._victim(True)
@@ -447,13 +447,10 @@ class ARCRank(BlockRank):
                 self._t2_tokens -= tokens
                 self._b2 += tokens
             self._stamp[block_id] = -1
-            content = table.content[block_id]
-            if content is not None:  # its ghost: the list it left
-                ghosts = self._ghosts
-                ghosts.pop(content, None)
-                ghosts[content] = self._in_t2[block_id]
-                if len(ghosts) > self._ghost_entries:
-                    ghosts.popitem(last=False)
+            # its ghost, tagged with the list it left
+            _leave_ghost(
+                self._ghosts, table.content[block_id], self._in_t2[block_id], self._ghost_entries
+            )
         return block_id
 
     def peek(self) -> int:

@@ -13,6 +13,7 @@ kernels only walk, compare and count, and every one checks before it changes any
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import os
 from array import array
@@ -31,6 +32,7 @@ __all__ = [
     "lock_path",
     "native_enabled",
     "release_slots",
+    "sha256_chain",
     "stamp_hits",
     "use_native",
     "walk",
@@ -304,6 +306,26 @@ def _int64_view(buffer: Any, wrong: str) -> memoryview:
     return view
 
 
+def sha256_chain(parent: bytes, data: bytes, start: int, count: int, size: int) -> list[bytes]:
+    """The SHA-256 digests of pages ``start`` to ``start + count - 1`` of ``data`` (``size``
+    bytes each), each of the previous digest followed by the page's bytes, the first chained
+    from ``parent`` (32 bytes): kvplug's page digests (``kvplug.caches.block_hashing``)."""
+    if (
+        len(parent) != 32
+        or start < 0
+        or count < 0
+        or size < 0
+        or (size and (start + count) * size > len(data))
+    ):
+        raise ValueError("sha256_chain: parent must be 32 bytes and the pages within data")
+    out: list[bytes] = []
+    digest = parent
+    for i in range(start, start + count):
+        digest = hashlib.sha256(digest + data[i * size : (i + 1) * size]).digest()
+        out.append(digest)
+    return out
+
+
 _PYTHON = {
     "walk": walk,
     "stamp_hits": stamp_hits,
@@ -314,6 +336,7 @@ _PYTHON = {
     "expand_units": expand_units,
     "check_token_ids": check_token_ids,
     "common_prefix": common_prefix,
+    "sha256_chain": sha256_chain,
 }
 
 

@@ -8,6 +8,7 @@ allocator suites run on both kernels too (the ``both_kernels`` fixture in ``test
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import random
 import shutil
@@ -794,3 +795,57 @@ def test_probe_prefix_with_storage_tiers_is_the_probe_match():
     assert (length, node.depth + node.num_tokens) == (8, 8)
     assert allocator.available_size() == free  # located only: nothing loaded
     assert cache.match_prefix(CacheKey(head + tail + [99])).prefix_len == 16  # a match loads
+
+
+# -- page digests --------------------------------------------------------------------------------
+
+
+def _hashlib_chain(parent: bytes, data: bytes, start: int, count: int, size: int) -> list[bytes]:
+    out, digest = [], parent
+    for i in range(start, start + count):
+        digest = hashlib.sha256(digest + data[i * size : (i + 1) * size]).digest()
+        out.append(digest)
+    return out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sha256_chain_equals_hashlib_across_block_boundaries(kernel):
+    """Pages whose message (32 bytes of parent + the page) ends just before, at and after the
+    64-byte block and padding boundaries (55, 56, 64 bytes...) hash as hashlib does."""
+    parent = hashlib.sha256(b"kvplug-none").digest()
+    for size in (0, 8, 23, 24, 31, 32, 33, 88, 96, 128, 1024):
+        data = bytes(range(256)) * (size * 5 // 256 + 1)
+        expected = _hashlib_chain(parent, data, 1, 3, size)
+        assert run(kernel, "sha256_chain", parent, data, 1, 3, size) == expected
+    assert run(kernel, "sha256_chain", parent, b"\x01" * 16, 0, 0, 8) == []
+    # the first page of kvplug's chain: the seed, then token 7 as int64
+    assert run(kernel, "sha256_chain", parent, array("q", [7]).tobytes(), 0, 1, 8) == [
+        hashlib.sha256(parent + array("q", [7]).tobytes()).digest()
+    ]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sha256_chain_refuses_pages_outside_the_data_or_a_short_parent(kernel):
+    wrong = ("ValueError", "sha256_chain: parent must be 32 bytes and the pages within data")
+    parent = bytes(32)
+    assert outcome(kernel, "sha256_chain", parent, bytes(16), 1, 2, 8) == wrong
+    assert outcome(kernel, "sha256_chain", parent, bytes(16), 0, 3, 8) == wrong
+    assert outcome(kernel, "sha256_chain", parent, bytes(16), -1, 1, 8) == wrong
+    assert outcome(kernel, "sha256_chain", bytes(31), bytes(16), 0, 1, 8) == wrong
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parent=st.binary(min_size=32, max_size=32),
+    data=st.binary(max_size=600),
+    size=st.integers(0, 200),
+    start=st.integers(0, 4),
+    count=st.integers(0, 6),
+)
+def test_sha256_chain_agrees_on_random_input(parent, data, size, start, count):
+    if size and (start + count) * size > len(data):
+        count = max(0, len(data) // size - start)
+        start = min(start, len(data) // size)
+    expected = _hashlib_chain(parent, data, start, count, size)
+    assert run("python", "sha256_chain", parent, data, start, count, size) == expected
+    assert run("native", "sha256_chain", parent, data, start, count, size) == expected

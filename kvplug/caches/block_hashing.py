@@ -32,6 +32,8 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+from .. import speedups
+
 __all__ = [
     "BlockHasher",
     "Hasher",
@@ -74,11 +76,24 @@ def iter_chain(
     """Yield the digests of the first ``num_pages`` pages of ``ids``, chained from ``parent``
     (the seed, or the digest of the page before ``ids[0]``). Lazy: a lookup can stop early.
 
-    The tokens are packed once in C (``array``); one hash call per page.
+    The tokens are packed once in C (``array``). SHA-256 chains in runs of pages (1, then 8,
+    64, ... at a time) through ``kvplug.speedups.sha256_chain`` (compiled: no Python per page);
+    another hash function takes one call per page.
     """
     size = 8 * page_size
     data = array("q", ids[: num_pages * page_size]).tobytes()
     digest = parent
+    if hasher is hashlib.sha256:
+        start, batch = 0, 1
+        while start < num_pages:
+            digests = speedups.sha256_chain(
+                digest, data, start, min(batch, num_pages - start), size
+            )
+            yield from digests
+            digest = digests[-1]
+            start += len(digests)
+            batch *= 8
+        return
     for start in range(0, num_pages * size, size):
         digest = hasher(digest + data[start : start + size]).digest()
         yield digest
@@ -104,10 +119,16 @@ class BlockHasher:
         self._hasher = hasher_for(algorithm)
         self.algorithm: str = algorithm
         self.name = f"kvplug-{algorithm}"
+        self._roots: dict[str | None, bytes] = {}
 
     def root(self, extra_key: str | None) -> bytes:
-        """The digest a namespace's first page chains from."""
-        return seed(self._hasher, extra_key)
+        """The digest a namespace's first page chains from (computed once per namespace)."""
+        digest = self._roots.get(extra_key)
+        if digest is None:
+            if len(self._roots) >= 4096:  # many namespaces (LoRA ids, salts): stay bounded
+                self._roots.clear()
+            digest = self._roots[extra_key] = seed(self._hasher, extra_key)
+        return digest
 
     def chain(
         self,

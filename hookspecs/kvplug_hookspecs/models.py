@@ -314,7 +314,12 @@ class StorageConfig(FrozenModel):
     caller's thread (a simulator's bookkeeping tiers, deterministic tests). ``prefetch``: when
     a request is queued, the engine asks the cache to copy the pages of its prefix that only a
     slower tier holds (disk, Redis) into the fastest (host) in the background, so admitting it
-    loads from host memory (SGLang HiCache's prefetch from its storage tier).
+    loads from host memory (SGLang HiCache's prefetch from its storage tier). ``handoff``: when
+    the background worker gets a demotion: ``immediate``, or ``step``: when the engine has
+    scheduled its step (it calls the hierarchy's ``end_step`` before the forward pass, as
+    kvplug's scheduler does), so the worker runs while the device computes instead of
+    contending with the scheduler for Python's GIL (SGLang and vLLM start their offload copies
+    at the same point of a step).
     """
 
     tiers: tuple[ComponentSelection, ...] = ()
@@ -325,6 +330,7 @@ class StorageConfig(FrozenModel):
     queue_pages: PositiveInt = 4096
     background: bool = True
     prefetch: bool = False
+    handoff: Literal["immediate", "step"] = "immediate"
 
     @model_validator(mode="after")
     def _distinct_tiers(self) -> StorageConfig:

@@ -85,7 +85,14 @@ from .common import (
 )
 from .radix_events import RadixBlockHashes
 from .radix_tree import common_len, descendants
-from .tiered import demote_pages, emit_tier_events, load_pages, prefetch_pages
+from .tiered import (
+    ChainedRun,
+    demote_pages,
+    demote_runs,
+    emit_tier_events,
+    load_pages,
+    prefetch_pages,
+)
 
 if TYPE_CHECKING:
     from ..tiers import TierHierarchy
@@ -587,46 +594,43 @@ class RadixCache(BuiltFromContext):
         self,
         removed: list[tuple[RadixNode, RadixNode]],
         cut: tuple[RadixNode, tuple[int, ...], torch.Tensor, int] | None,
+        slots: torch.Tensor,
     ) -> None:
-        """Hand the pages an eviction is about to free to the storage tiers (write-back)."""
+        """Hand the pages an eviction is about to free (``slots``: theirs, in eviction order)
+        to the storage tiers (write-back). Their digests are computed on the worker; only a
+        linked parent's last digest is needed here (kept once computed)."""
         try:
-            self._demote_pages_of(removed, cut)
+            hashes, root = self._hashes, self.root
+            assert hashes is not None
+            nodes = [leaf for leaf, _ in removed]
+            if cut is not None:
+                nodes.append(cut[0])
+            index = {node: i for i, node in enumerate(nodes)}
+
+            def parent_of(parent: RadixNode | None) -> bytes | int | None:
+                if parent is root or parent is None:
+                    return None
+                i = index.get(parent)
+                return i if i is not None else hashes.digests(parent)[-1]
+
+            runs = [
+                ChainedRun(leaf.key, leaf.namespace, parent_of(parent), hashes.known(leaf))
+                for leaf, parent in removed
+            ]
+            if cut is not None:
+                leaf, key = cut[0], cut[1]
+                # its known digests are still those of its uncut key (forgotten after the free)
+                first = leaf.num_tokens // self.page_size
+                runs.append(
+                    ChainedRun(
+                        key, leaf.namespace, parent_of(leaf.parent), hashes.known(leaf), first
+                    )
+                )
         except Exception:  # never fails the eviction: the pages are recomputed when needed
             log.exception("radix: demoting evicted pages failed")
-
-    def _demote_pages_of(
-        self,
-        removed: list[tuple[RadixNode, RadixNode]],
-        cut: tuple[RadixNode, tuple[int, ...], torch.Tensor, int] | None,
-    ) -> None:
-        storage, hashes, page = self.storage, self._hashes, self.page_size
-        assert storage is not None and hashes is not None
-        if cut is not None:
-            # the cut leaf's digests are those of its uncut key: the removed leaves that hung
-            # from it chain from its last page, not from the last one it keeps
-            hashes.digests(cut[0], key=cut[1])
-        # a leaf's parent may have been evicted after it (and unlinked): digests are computed
-        # parents first (each removed node's parent is linked, or removed after it)
-        for leaf, parent in reversed(removed):
-            hashes.digests(leaf, parent)
-        for leaf, parent in removed:
-            first_parent = None if parent is self.root else hashes.digests(parent)[-1]
-            digests = hashes.digests(leaf, parent)
-            demote_pages(storage, digests, leaf.key, first_parent, leaf.value, page)
-        if cut is not None:
-            leaf, key, path_value, _ = cut
-            keep = leaf.num_tokens // page  # the leaf was cut to its first ``keep`` pages
-            digests = hashes.digests(leaf)  # all its pages: computed from the uncut key above
-            head_last = digests[keep - 1]
-            tail = key[leaf.num_tokens :]
-            demote_pages(
-                storage,
-                digests[keep:],
-                tail,
-                head_last,
-                path_value[leaf.depth + leaf.num_tokens :],
-                page,
-            )
+            return
+        assert self.storage is not None
+        demote_runs(self.storage, self.block_hasher, runs, slots, self.page_size)
 
     def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
         """Refresh the recency of ``key``'s cached path without counting a hit or a query
@@ -965,11 +969,12 @@ class RadixCache(BuiltFromContext):
                 removed.append((leaf, parent))
                 if parent is not root and parent.lock_ref == 0 and not parent.children:
                     policy.add(parent)
-            if self.storage is not None and not self.storage.write_through and victims:
-                self._demote_evicted(removed, cut)
             if victims:
+                slots = torch.cat(victims) if len(victims) > 1 else victims[0]
+                if self.storage is not None and not self.storage.write_through:
+                    self._demote_evicted(removed, cut, slots)
                 in_free = True
-                self.allocator.free(torch.cat(victims) if len(victims) > 1 else victims[0])
+                self.allocator.free(slots)
         except Exception as exc:
             for leaf, parent in reversed(removed):
                 leaf.parent = parent

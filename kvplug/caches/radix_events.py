@@ -100,6 +100,10 @@ class RadixBlockHashes:
             chain = known[n][-1]
         return known[node]
 
+    def known(self, node: RadixNode) -> list[bytes] | None:
+        """The digests of ``node``'s pages when computed already (nothing is computed)."""
+        return self._digests.get(node)
+
     def split(self, head: RadixNode, tail: RadixNode) -> None:
         """``tail`` lost its first ``head.num_tokens`` tokens to the new node ``head``."""
         digests = self._digests.pop(tail, None)

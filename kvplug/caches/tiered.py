@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,13 +21,16 @@ from kvplug_hookspecs import CacheEvents, PrefixRemoved, PrefixStored
 
 from ..errors import PolicyError
 from ..eviction import evict_from_tree_cache
-from .block_hashing import event_hash
+from .block_hashing import BlockHasher, event_hash
 
 if TYPE_CHECKING:
     from ..tiers import TierHierarchy
+    from ..tiers.hierarchy import PageRun
 
 __all__ = [
+    "ChainedRun",
     "demote_pages",
+    "demote_runs",
     "emit_tier_events",
     "load_pages",
     "page_tokens",
@@ -59,6 +63,64 @@ def demote_pages(
         storage.demote(keys, tokens, parents, slots)
     except Exception:  # a demotion is an optimisation: the cache's own operation goes on
         log.exception("demoting %d pages failed; they will be recomputed", len(digests))
+
+
+@dataclass(frozen=True, slots=True)
+class ChainedRun:
+    """One evicted node's pages for :func:`demote_runs`: its ``key`` (whole pages) in namespace
+    ``extra_key``, chained from ``parent`` (a digest; the index of a later run of the same
+    demotion, the node it hung from, evicted after it; ``None`` under the root); ``digests``
+    when the cache already knows them; the pages from ``first_page`` on are demoted."""
+
+    key: tuple[int, ...]
+    extra_key: str | None
+    parent: bytes | int | None
+    digests: Sequence[bytes] | None = None
+    first_page: int = 0
+
+
+def demote_runs(
+    storage: TierHierarchy,
+    hasher: BlockHasher,
+    runs: Sequence[ChainedRun],
+    slots: torch.Tensor,
+    page: int,
+) -> None:
+    """Hand evicted nodes' pages (``runs`` in eviction order; ``slots`` the demoted pages'
+    slots, run after run) to the hierarchy, their digests computed on the worker, off the
+    engine's path (they read only immutable keys and digests). Never raises."""
+    num_pages = sum(len(r.key) // page - r.first_page for r in runs)
+
+    def pages() -> PageRun:
+        starts: list[bytes | None] = [None] * len(runs)
+        chains: list[Sequence[bytes]] = [()] * len(runs)
+        for i in range(len(runs) - 1, -1, -1):  # a run's parent run comes after it
+            run = runs[i]
+            parent = run.parent
+            start = chains[parent][-1] if isinstance(parent, int) else parent
+            starts[i] = start
+            digests = run.digests
+            if digests is None:
+                seed = hasher.root(run.extra_key) if start is None else start
+                count = len(run.key) // page
+                digests = list(hasher.chain(seed, run.key, page, count, run.extra_key))
+            chains[i] = digests
+        keys: list[bytes] = []
+        tokens: list[tuple[int, ...]] = []
+        parents: list[bytes | None] = []
+        for run, start, digests in zip(runs, starts, chains, strict=True):
+            first, count = run.first_page, len(digests)
+            if first < count:
+                keys.extend(digests[first:])
+                tokens.extend(page_tokens(run.key, first * page, count - first, page))
+                parents.append(start if first == 0 else digests[first - 1])
+                parents.extend(digests[first : count - 1])
+        return keys, tokens, parents
+
+    try:
+        storage.demote_run(num_pages, pages, slots)
+    except Exception:  # a demotion is an optimisation: the cache's own operation goes on
+        log.exception("demoting %d pages failed; they will be recomputed", num_pages)
 
 
 def prefetch_pages(

@@ -133,6 +133,12 @@ class Scheduler:
             if prefetching and getattr(self.cache, "storage", None) is not None
             else None
         )
+        # storage tiers with handoff "step": the step's demotions go to the worker before the
+        # forward pass, so the worker runs while the device computes
+        storage = getattr(self.cache, "storage", None)
+        self._tiers_step = (
+            storage.end_step if storage is not None and storage.config.handoff == "step" else None
+        )
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -168,10 +174,14 @@ class Scheduler:
         self._admit()
         steps = self._fast_forward_steps()
         if steps > 1 and self._fast_forward(steps):
+            if self._tiers_step is not None:
+                self._tiers_step()
             return self._finish_done(steps, [])
         decoders = [r for r in self.running if not r.in_prefill]
         self._alloc_decode(decoders)
         items, order = self._batch()
+        if self._tiers_step is not None:
+            self._tiers_step()
         if items:
             self._forward(items, order)
         return self._finish_done(1, items)

@@ -50,7 +50,7 @@ from kvplug_hookspecs import PageData, StorageConfig, StorageTier, TierNamespace
 
 from .pages import CorruptPageError, check_page, page_checksum
 
-__all__ = ["HierarchyStats", "TierEvent", "TierHierarchy"]
+__all__ = ["HierarchyStats", "PageRun", "TierEvent", "TierHierarchy"]
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +120,18 @@ class _Health:
         self.backoff = _BACKOFF_MIN_S
 
 
-_Job = tuple[list[bytes], list[tuple[int, ...]], list[bytes | None], torch.Tensor | None]
-"""A demotion: page keys, their tokens, their parents' keys, their KV (host copy or ``None``)."""
+PageRun = tuple[list[bytes], list[tuple[int, ...]], list[bytes | None]]
+"""Demoted pages: their keys, their tokens and their parents' keys (``None`` under the root)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """A demotion: ``num_pages`` pages (``pages``, or what computes them on the worker) and their
+    KV (the device copy, or ``None`` when the pool keeps none)."""
+
+    num_pages: int
+    pages: PageRun | Callable[[], PageRun]
+    kv: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +147,7 @@ def _job_pages(job: _Job | _Prefetch) -> int:
     """The pages a queued job counts in the queue's bound."""
     if isinstance(job, _Prefetch):
         return sum(count for i, count in job.runs if i > 0)
-    return len(job[0])
+    return job.num_pages
 
 
 class TierHierarchy:
@@ -178,6 +188,8 @@ class TierHierarchy:
         self._observed = observed
         self._events: deque[TierEvent] = deque()
         self._queue: queue.Queue[_Job | _Prefetch | None] | None = None
+        self._step = config.handoff == "step"
+        self._held: list[_Job | _Prefetch] = []  # handoff "step": this step's, not yet queued
         self._queued_pages = 0  # pages demoted and not yet stored (<= config.queue_pages)
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -206,13 +218,14 @@ class TierHierarchy:
         health = self._health[i]
         return health.up or time.monotonic() >= health.retry_at
 
-    def _call(self, i: int, what: str, fn: Callable[[], Any], default: Any) -> Any:
-        """``fn()`` on tier ``i``, or ``default`` while the tier is out of use or when it raises."""
+    def _call(self, i: int, what: str, fn: Callable[..., Any], default: Any, *args: Any) -> Any:
+        """``fn(*args)`` on tier ``i``, or ``default`` while the tier is out of use or when it
+        raises."""
         health = self._health[i]
         if not health.up and time.monotonic() < health.retry_at:
             return default
         try:
-            result = fn()
+            result = fn(*args)
         except Exception as exc:
             tier = self.tiers[i]
             self.stats.failures[tier.name] += 1
@@ -244,14 +257,15 @@ class TierHierarchy:
     def _present(self, i: int, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` tier ``i`` holds from the first (pages moving below count)."""
         count = 0
-        with self._lock:
-            moving = self._moving
-            while count < len(keys) and moving.get(keys[count], (-1,))[0] == i:
-                count += 1
-        if count == len(keys):
-            return count
-        rest = keys[count:]
-        found: int = self._call(i, "contains", lambda: self.tiers[i].contains(rest), 0)
+        if self._moving:  # read without the lock first: empty unless a cascade is writing
+            with self._lock:
+                moving = self._moving
+                while count < len(keys) and moving.get(keys[count], (-1,))[0] == i:
+                    count += 1
+            if count == len(keys):
+                return count
+            keys = keys[count:]
+        found: int = self._call(i, "contains", self.tiers[i].contains, 0, keys)
         return count + found
 
     def locate(self, digests: Iterator[bytes]) -> tuple[list[bytes], list[tuple[int, int]]]:
@@ -422,30 +436,59 @@ class TierHierarchy:
         """Store these pages below the device: their KV is copied out of the pool now (the
         slots may be freed as soon as this returns), stored by the worker later. Never raises,
         never waits: a full queue or no tier in use drops the pages and counts them."""
-        if not keys:
+        self.demote_run(len(keys), (keys, tokens, parents), slots)
+
+    def demote_run(
+        self, num_pages: int, pages: PageRun | Callable[[], PageRun], slots: torch.Tensor
+    ) -> None:
+        """``demote`` for ``num_pages`` pages whose keys, tokens and parents ``pages`` is, or
+        computes: a callable runs on the worker, off the engine's path (a radix cache hashes
+        its evicted pages there). It must read only what the engine no longer changes (an
+        evicted node's key, a digest) and return exactly ``num_pages`` pages."""
+        if not num_pages:
             return
         counted = False
         try:
-            if self._closed or not any(self._usable(i) for i in range(len(self.tiers))):
-                self.stats.dropped_pages += len(keys)
+            if self._closed or not (
+                self._health[0].up or any(self._usable(i) for i in range(len(self.tiers)))
+            ):
+                self.stats.dropped_pages += num_pages
                 return
             if self._queue is not None:
-                if not self._reserve(len(keys)):
-                    self.stats.dropped_pages += len(keys)  # full: dropped, never waited for
+                if not self._reserve(num_pages):
+                    self.stats.dropped_pages += num_pages  # full: dropped, never waited for
                     return
                 counted = True
             kv = self._pool.read_slots(slots) if self._pool is not None else None
-            job: _Job = (keys, tokens, parents, kv)
+            job = _Job(num_pages, pages, kv)
             if self._queue is None:
                 self._store(job)
-                return
-            self._queue.put_nowait(job)
+            elif self._step:
+                self._held.append(job)
+            else:
+                self._queue.put_nowait(job)
         except Exception:  # a pool copy that failed: the pages are recomputed later
-            log.exception("storage hierarchy: demotion of %d pages failed", len(keys))
-            self.stats.dropped_pages += len(keys)
+            log.exception("storage hierarchy: demotion of %d pages failed", num_pages)
+            self.stats.dropped_pages += num_pages
             if counted:
                 with self._lock:
-                    self._queued_pages -= len(keys)
+                    self._queued_pages -= num_pages
+
+    @property
+    def held_pages(self) -> int:
+        """Pages demoted or prefetched this step and not yet handed to the worker (always 0
+        unless ``handoff="step"``)."""
+        return sum(map(_job_pages, self._held))
+
+    def end_step(self) -> None:
+        """The engine finished scheduling a step (its forward pass comes next): with
+        ``handoff="step"``, the worker gets the step's demotions and prefetches now, so it runs
+        while the device computes rather than contending with the scheduler for the GIL.
+        Otherwise nothing to do. The engine's thread only."""
+        if self._held and self._queue is not None:
+            for job in self._held:
+                self._queue.put_nowait(job)
+            self._held.clear()
 
     def _reserve(self, pages: int) -> bool:
         """Count ``pages`` into the queue's bound, or say it is full."""
@@ -474,7 +517,10 @@ class TierHierarchy:
             return pages
         if not self._reserve(pages):
             return 0  # full: demotions come first, a prefetch is only a head start
-        self._queue.put_nowait(job)  # unbounded queue (bounded in pages above): never raises
+        if self._step:
+            self._held.append(job)
+        else:
+            self._queue.put_nowait(job)  # unbounded queue (bounded in pages above): never raises
         return pages
 
     def _top(self) -> int | None:
@@ -506,7 +552,10 @@ class TierHierarchy:
 
     def _pages_of(self, job: _Job) -> list[PageData]:
         """Host pages with checksums, from a demotion's device copy."""
-        keys, tokens, parents, kv = job
+        keys, tokens, parents = job.pages() if callable(job.pages) else job.pages
+        kv = job.kv
+        if len(keys) != job.num_pages:
+            raise ValueError(f"a demotion of {job.num_pages} pages computed {len(keys)}")
         if kv is None:
             pages = [PageData(k, t, p, None) for k, t, p in zip(keys, tokens, parents, strict=True)]
         else:
@@ -531,13 +580,13 @@ class TierHierarchy:
         try:
             pages = self._pages_of(job)
         except Exception:
-            log.exception("storage hierarchy: copying %d pages to the host failed", len(job[0]))
-            self.stats.dropped_pages += len(job[0])
+            log.exception("storage hierarchy: copying %d pages to the host failed", job.num_pages)
+            self.stats.dropped_pages += job.num_pages
             return
         if self._place(pages, 0, DEVICE_MEDIUM):
             self.stats.demoted_pages += len(pages)
         else:
-            self.stats.dropped_pages += len(job[0])
+            self.stats.dropped_pages += job.num_pages
 
     def _place(self, pages: list[PageData], first: int, source: str) -> bool:
         """Store ``pages`` (coming from ``source``) in the first tier in use from ``first`` on,
@@ -613,8 +662,10 @@ class TierHierarchy:
     # -- lifecycle --------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Wait until every queued demotion is stored (tests, shutdown)."""
+        """Wait until every queued demotion is stored (tests, shutdown); a step's held ones
+        are handed to the worker first."""
         if self._queue is not None:
+            self.end_step()
             self._queue.join()
 
     def clear(self) -> None:
@@ -632,6 +683,7 @@ class TierHierarchy:
         self._closed = True
         _WITH_WORKERS.discard(self)
         if self._queue is not None and self._worker is not None:
+            self.end_step()
             self._queue.put(None)
             self._worker.join()
         for tier in self.tiers:

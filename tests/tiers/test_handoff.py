@@ -1,0 +1,161 @@
+"""When the demotion worker gets its work: at once, or at the end of the engine's step
+(``handoff="step"``); and the pages a radix cache's worker hashes are the pages it evicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvplug
+from kvplug.caches.block_hashing import BlockHasher
+from kvplug.engine import Request, Scheduler, SchedulerOptions
+from kvplug.eviction import evict_from_tree_cache
+from kvplug.tiers import TierHierarchy
+from kvplug.tiers.host import HostTier, HostTierOptions
+from kvplug_hookspecs import CacheKey, StorageConfig
+
+from .helpers import namespace, tier_context
+
+
+def hierarchy(handoff: str, queue_pages: int = 4096) -> tuple[TierHierarchy, HostTier]:
+    host = HostTier(tier_context(), HostTierOptions(capacity_tokens=1024))
+    config = StorageConfig(handoff=handoff, queue_pages=queue_pages)
+    h = TierHierarchy([host], config, namespace(), pool=None, page_size=1, kv_bytes_per_token=64)
+    return h, host
+
+
+def pages(i: int, n: int) -> tuple[list[bytes], list[tuple[int, ...]], list[bytes | None]]:
+    keys = [bytes([i, j]) * 16 for j in range(n)]
+    return keys, [(i * 100 + j,) for j in range(n)], [None, *keys[:-1]]
+
+
+def test_step_handoff_holds_a_steps_demotions_until_end_step() -> None:
+    h, host = hierarchy("step")
+    h.demote(*pages(1, 3), torch.arange(3))
+    h.demote(*pages(2, 2), torch.arange(2))
+    assert h.held_pages == 5
+    assert host.stats().stored_pages == 0  # not even queued: the worker cannot have it
+    h.end_step()
+    assert h.held_pages == 0
+    h.flush()
+    assert host.stats().stored_pages == 5 and h.stats.demoted_pages == 5
+    assert host.contains(pages(1, 3)[0]) == 3
+    h.close()
+
+
+def test_flush_and_close_hand_over_what_a_step_holds() -> None:
+    h, host = hierarchy("step")
+    h.demote(*pages(1, 2), torch.arange(2))
+    h.flush()  # without end_step: flush hands the step's demotions over first
+    assert host.stats().stored_pages == 2
+    h.demote(*pages(2, 3), torch.arange(3))
+    h.close()  # stores what is held, then stops the worker
+    assert h.stats.demoted_pages == 5 and h.held_pages == 0
+
+
+def test_held_demotions_count_in_the_queue_bound() -> None:
+    h, host = hierarchy("step", queue_pages=4)
+    h.demote(*pages(1, 3), torch.arange(3))
+    h.demote(*pages(2, 2), torch.arange(2))  # 3 + 2 > 4: dropped, not held
+    assert (h.held_pages, h.stats.dropped_pages) == (3, 2)
+    h.end_step()
+    h.flush()
+    h.demote(*pages(3, 4), torch.arange(4))  # the bound is free again once stored
+    assert h.held_pages == 4
+    h.close()
+    assert host.stats().stored_pages == 7
+
+
+def test_immediate_handoff_holds_nothing() -> None:
+    h, host = hierarchy("immediate")
+    h.demote(*pages(1, 3), torch.arange(3))
+    assert h.held_pages == 0
+    h.flush()
+    assert host.stats().stored_pages == 3
+    h.close()
+
+
+def radix_with_host(page: int, capacity: int) -> kvplug.KVCacheStack:
+    return kvplug.build(
+        {
+            "allocator": "standard" if page == 1 else "paged",
+            "prefix_cache": "radix",
+            "pool": {"capacity_tokens": capacity, "page_size": page, "store_kv": False},
+            "storage": {
+                "tiers": [{"name": "host", "options": {"capacity_tokens": 4096}}],
+                "background": False,
+            },
+        }
+    )
+
+
+def insert(stack: kvplug.KVCacheStack, ids: list[int]) -> None:
+    cache = stack.prefix_cache
+    m = cache.match_prefix(CacheKey(ids))
+    new = stack.allocator.alloc(len(ids) - m.prefix_len)
+    cache.insert(CacheKey(ids), torch.cat((m.device_indices, new)))
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_radix_eviction_demotes_its_pages_under_their_chained_digests(page: int) -> None:
+    """A leaf and its parent evicted by one call (the parent after the leaf, unlinked), and a
+    leaf an exact eviction cuts: the worker's digests equal the hasher's over each page's whole
+    prefix, and every demoted page's parent is the page before it."""
+    stack = radix_with_host(page, capacity=40)
+    a = list(range(1, 9))  # 8 tokens
+    ab = a + list(range(101, 109))  # a's child: 8 more
+    c = list(range(201, 217))  # 16 tokens under the root
+    for ids in (a, ab, c):
+        insert(stack, ids)
+    cache, storage = stack.prefix_cache, stack.storage
+    assert storage is not None
+    hasher = BlockHasher()
+
+    def digests(ids: list[int]) -> list[bytes]:
+        return list(hasher.chain(hasher.root(None), ids, page, len(ids) // page))
+
+    # LRU: ab's leaf (8), then a (8, now a leaf), then 4 of c's 16 (cut to its first 12)
+    evict_from_tree_cache(cache, 8 + 8 + 4 + stack.allocator.available_size())
+    demoted = digests(ab) + digests(c)[12 // page :]
+    host = storage.tiers[0]
+    assert host.contains(digests(ab)) == 16 // page
+    assert host.contains(digests(c)) == 0  # its head is still on the device
+    assert host.contains(digests(c)[12 // page :]) == 4 // page
+    assert storage.stats.demoted_pages == len(demoted)
+    got = {p.key: p for p in host.get(demoted) if p is not None}
+    chains = [digests(ab), digests(c)]
+    for chain in chains:
+        for i, key in enumerate(chain):
+            if key in got:
+                assert got[key].parent == (chain[i - 1] if i else None)
+    assert got[digests(c)[12 // page]].token_ids == tuple(c[12 : 12 + page])
+    stack.close()
+
+
+def test_the_scheduler_hands_each_steps_demotions_to_the_worker() -> None:
+    """With ``handoff="step"`` kvplug's scheduler ends every step with ``end_step``: nothing
+    stays held after a step, and every page it evicted reaches the host tier."""
+    stack = kvplug.build(
+        {
+            "pool": {"capacity_tokens": 24, "store_kv": False},
+            "storage": {
+                "tiers": [{"name": "host", "options": {"capacity_tokens": 4096}}],
+                "handoff": "step",
+            },
+        }
+    )
+    storage = stack.storage
+    assert storage is not None
+    scheduler = Scheduler(stack, None, SchedulerOptions(timing="sequential", debug=True))
+    for i in range(6):
+        scheduler.add_request(Request(i, [i * 100 + t for t in range(1, 11)], 2, arrival_ms=i))
+    held_after_steps = []
+    while not scheduler.idle:
+        scheduler.step()
+        held_after_steps.append(storage.held_pages)
+    assert set(held_after_steps) == {0}
+    storage.flush()
+    evicted = stack.prefix_cache.stats.evicted_tokens
+    assert evicted > 0
+    assert storage.stats.demoted_pages + storage.stats.dropped_pages == evicted
+    stack.close()

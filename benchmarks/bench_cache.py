@@ -26,7 +26,14 @@ with a host tier (write-back: every eviction demotes its pages, page digests are
 them, every match asks the tier about the page after the device match) that no request ever
 hits (every suffix is new), and prints the median per-request time of each and their ratio.
 The pool keeps no K/V here (bookkeeping pages): this is the cache path's cost, not the copy's
-(``bench_tiers.py`` measures the copies).
+(``bench_tiers.py`` measures the copies). Timed is the engine's thread; the worker that stores
+the demoted pages shares its GIL. ``--step-ms 0`` (the default) leaves it no idle time: it runs
+while the engine schedules, a CPU-bound worst case. ``--step-ms 2`` models an engine step: after
+each request the hierarchy's ``end_step`` hands that step's demotions to the worker
+(``handoff="step"``, what kvplug's scheduler does before a forward pass) and the engine waits
+2 ms, as for the device's forward pass, during which the worker stores them.
+
+    python benchmarks/bench_cache.py --tiers --step-ms 2
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import itertools
 import random
 import statistics
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,6 +90,7 @@ def build(
     policy: str = "lru",
     page: int = 1,
     host_tier: bool = False,
+    handoff: str = "immediate",
 ) -> tuple[RadixCache, Any]:
     """A cache filled to capacity with ``num_leaves`` evictable 64-token leaves under 8 prompts
     (``host_tier``: with a host tier below it, see ``host_tier_storage``)."""
@@ -91,7 +100,7 @@ def build(
     if kind == "kvplug":
         registration = POLICIES[policy]
         options = registration.options_model()
-        storage = host_tier_storage(allocator) if host_tier else None
+        storage = host_tier_storage(allocator, handoff) if host_tier else None
         cache = RadixCache(allocator, lambda: registration.factory(options), storage=storage)
     else:
         cache = RebuildHeapRadixCache(allocator, RebuildHeapLRU)
@@ -108,7 +117,7 @@ def build(
     return cache, allocator
 
 
-def host_tier_storage(allocator: Any) -> Callable[[str], Any]:
+def host_tier_storage(allocator: Any, handoff: str = "immediate") -> Callable[[str], Any]:
     """The cache's ``storage`` factory: a host tier ten times the device pool, LRU-ranked."""
     from kvplug.policies.builtin import LRUPolicy
     from kvplug.tiers import TierHierarchy
@@ -123,7 +132,7 @@ def host_tier_storage(allocator: Any) -> Callable[[str], Any]:
 
     def storage(hash_function: str) -> TierHierarchy:
         tier = HostTier(context, HostTierOptions(capacity_tokens=allocator.size * 10))
-        config = StorageConfig(background=BACKGROUND)
+        config = StorageConfig(background=BACKGROUND, handoff=handoff)
         return TierHierarchy(
             [tier],
             config,
@@ -252,6 +261,13 @@ def main() -> None:
         help="compare a cache with a never-hit host tier against one without tiers",
     )
     parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="--tiers: model an engine step of this many ms after each request (the worker "
+        "gets the step's demotions at its end, handoff='step'); 0: no idle time",
+    )
+    parser.add_argument(
         "--page-sizes",
         default="1,16",
         help="comma list of page sizes for --tiers (1: SGLang's default, 16: vLLM's)",
@@ -260,7 +276,7 @@ def main() -> None:
     sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
     if args.tiers:
         pages = tuple(int(p) for p in args.page_sizes.split(","))
-        compare_tiers(sizes, args.requests or 1000, args.gc, pages)
+        compare_tiers(sizes, args.requests or 1000, args.gc, pages, args.step_ms)
         return
     if args.policies:
         compare_policies(args.policies.split(","), sizes, args.requests or 1000, args.gc)
@@ -345,21 +361,38 @@ def compare_policies(
 
 
 def compare_tiers(
-    sizes: tuple[int, ...], requests: int, gc_on: bool, pages: tuple[int, ...]
+    sizes: tuple[int, ...],
+    requests: int,
+    gc_on: bool,
+    pages: tuple[int, ...],
+    step_ms: float = 0.0,
 ) -> None:
     """Per-request time (match + evict + insert) without tiers and with a never-hit host tier,
-    served side by side (rotating which goes first); medians and their ratio."""
-    print(f"us per request, median (ratio to no tiers), {requests} requests, gc {gc_on}")
+    served side by side (rotating which goes first); medians and their ratio. ``step_ms``:
+    see the module docstring."""
+    handoff = "step" if step_ms else "immediate"
+    print(
+        f"us per request, median (ratio to no tiers), {requests} requests, gc {gc_on}, "
+        f"step {step_ms} ms (handoff {handoff})"
+    )
     print(
         f"{'workload':<10} {'page':>4} {'N':>7} {'no tiers':>9} {'host tier':>9} {'ratio':>6} "
-        f"{'demoted':>8}"
+        f"{'demoted':>8} {'+match/evict/insert':>14}"
     )
     for workload, page, n in itertools.product(("shared", "multiturn"), pages, sizes):
         plain = build("kvplug", n, random.Random(0), page=page)
-        tiered, tiered_alloc = build("kvplug", n, random.Random(0), page=page, host_tier=True)
+        tiered, tiered_alloc = build(
+            "kvplug", n, random.Random(0), page=page, host_tier=True, handoff=handoff
+        )
+        assert tiered.storage is not None
         stacks = [plain, (tiered, tiered_alloc)]
         maker = shared_prefix_keys if workload == "shared" else multiturn_keys
-        keys = maker(plain[0], random.Random(1), requests, itertools.count(40_000))
+        # each request gets fresh int objects, as from a tokenizer: keys made of the objects
+        # one cache's nodes hold compare by identity there (faster, ~8% in an A/A run)
+        keys = [
+            array("q", key)
+            for key in maker(plain[0], random.Random(1), requests, itertools.count(40_000))
+        ]
         times = [{"match": [], "evict": [], "insert": []} for _ in stacks]
         gc.collect()
         if not gc_on:
@@ -368,9 +401,13 @@ def compare_tiers(
             for i, key in enumerate(keys):
                 for j in range(2):
                     k = (i + j) % 2
-                    serve(*stacks[k], key, times[k])
+                    serve(*stacks[k], key.tolist(), times[k])
+                    if step_ms:
+                        tiered.storage.end_step()  # a no-op after the plain cache's request
+                        time.sleep(step_ms / 1e3)
         finally:
             gc.enable()
+        tiered.storage.flush()
         warm = requests // 10
         totals = [
             statistics.median(
@@ -380,11 +417,12 @@ def compare_tiers(
             / 1e3
             for t in times
         ]
-        assert tiered.storage is not None
         assert not tiered.storage.stats.hit_tokens  # never hit, as intended
+        medians = [{p: statistics.median(t[p][warm:]) / 1e3 for p in t} for t in times]
+        added = "/".join(f"{medians[1][p] - medians[0][p]:+.0f}" for p in medians[0])
         print(
             f"{workload:<10} {page:>4} {n:>7} {totals[0]:>9.1f} {totals[1]:>9.1f} "
-            f"{totals[1] / totals[0]:>6.2f} {tiered.storage.stats.demoted_pages:>8}",
+            f"{totals[1] / totals[0]:>6.2f} {tiered.storage.stats.demoted_pages:>8} {added:>14}",
             flush=True,
         )
         tiered.storage.close()

@@ -95,6 +95,10 @@ class StorageTier(Protocol):
 
     ``medium`` is what KV events report for pages here (``"CPU"``, ``"Disk"``, ...);
     ``latency_s`` and ``bandwidth_bytes_per_s`` feed the load-versus-recompute cost model.
+    Optionally ``private = True``: only the hierarchy that created it ever stores pages in it
+    (process memory; not a directory a restart finds again, not a server other engines write
+    to). When every tier is private the hierarchy indexes the pages it stored and answers most
+    misses without hashing the page (``TierHierarchy.may_hold``).
     """
 
     name: str

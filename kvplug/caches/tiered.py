@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -65,8 +64,7 @@ def demote_pages(
         log.exception("demoting %d pages failed; they will be recomputed", len(digests))
 
 
-@dataclass(frozen=True, slots=True)
-class ChainedRun:
+class ChainedRun(NamedTuple):
     """One evicted node's pages for :func:`demote_runs`: its ``key`` (whole pages) in namespace
     ``extra_key``, chained from ``parent`` (a digest; the index of a later run of the same
     demotion, the node it hung from, evicted after it; ``None`` under the root); ``digests``
@@ -87,9 +85,10 @@ def demote_runs(
     page: int,
 ) -> None:
     """Hand evicted nodes' pages (``runs`` in eviction order; ``slots`` the demoted pages'
-    slots, run after run) to the hierarchy, their digests computed on the worker, off the
-    engine's path (they read only immutable keys and digests). Never raises."""
-    num_pages = sum(len(r.key) // page - r.first_page for r in runs)
+    slots, run after run: one per demoted token) to the hierarchy, their digests computed on
+    the worker, off the engine's path (they read only immutable keys and digests). Never
+    raises."""
+    num_pages = slots.numel() // page
 
     def pages() -> PageRun:
         starts: list[bytes | None] = [None] * len(runs)

@@ -124,7 +124,7 @@ PageRun = tuple[list[bytes], list[tuple[int, ...]], list[bytes | None]]
 """Demoted pages: their keys, their tokens and their parents' keys (``None`` under the root)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per eviction, and frozen init costs ~1 us
 class _Job:
     """A demotion: ``num_pages`` pages (``pages``, or what computes them on the worker) and their
     KV (the device copy, or ``None`` when the pool keeps none)."""
@@ -184,6 +184,11 @@ class TierHierarchy:
         self._bpt = config.cost.kv_bytes_per_token or kv_bytes_per_token
         self._health = [_Health() for _ in self.tiers]
         self._moving: dict[bytes, tuple[int, PageData]] = {}  # written below, still readable
+        # the tokens of the pages stored, by their parent's key, when every tier is private
+        # (nothing else stores pages in them): see may_hold
+        self._index: dict[bytes | None, set[tuple[int, ...]]] | None = (
+            {} if all(getattr(t, "private", False) for t in self.tiers) else None
+        )
         self._lock = threading.Lock()
         self._observed = observed
         self._events: deque[TierEvent] = deque()
@@ -267,6 +272,42 @@ class TierHierarchy:
             keys = keys[count:]
         found: int = self._call(i, "contains", self.tiers[i].contains, 0, keys)
         return count + found
+
+    def may_hold(self, parent: bytes | None, tokens: tuple[int, ...]) -> bool:
+        """Whether a tier may hold the page of ``tokens`` after the page keyed ``parent``
+        (``None``: a prefix's first page). ``False`` only when no tier does, answered without
+        the page's digest from the index of the pages this hierarchy stored, kept when every
+        tier is private; always ``True`` otherwise (``locate`` then answers)."""
+        index = self._index
+        if index is None:
+            return True
+        children = index.get(parent)
+        return children is not None and tokens in children
+
+    def _indexed(self, pages: list[PageData]) -> None:
+        """Index stored pages (the worker's thread; a page is indexed once a tier took it)."""
+        index = self._index
+        if index is not None:
+            for p in pages:
+                children = index.get(p.parent)
+                if children is None:
+                    index[p.parent] = {p.token_ids}
+                else:
+                    children.add(p.token_ids)
+
+    def _unindexed(self, pages: list[PageData]) -> None:
+        """Forget pages no tier holds any more (pushed out of the last one)."""
+        index = self._index
+        if index is None:
+            return
+        for p in pages:
+            if any(self._present(i, [p.key]) for i in range(len(self.tiers))):
+                continue  # another tier still holds it (a prefetch's copy)
+            children = index.get(p.parent)
+            if children is not None:
+                children.discard(p.token_ids)
+                if not children:
+                    del index[p.parent]
 
     def locate(self, digests: Iterator[bytes]) -> tuple[list[bytes], list[tuple[int, int]]]:
         """How far the tiers reach along a prefix's page digests (pulled lazily from
@@ -608,6 +649,7 @@ class TierHierarchy:
                     len(pages) * self.page_size * self._bpt
                 )
             placed = True
+            self._indexed(pages)
             self._event("stored", tier.medium, pages)
             if out:
                 self._event("removed", tier.medium, out)
@@ -624,6 +666,7 @@ class TierHierarchy:
             with self._lock:
                 for p in pages:
                     self._moving.pop(p.key, None)
+            self._unindexed(pages)
         return placed
 
     def _event(
@@ -673,6 +716,8 @@ class TierHierarchy:
         self.flush()
         with self._lock:
             self._moving.clear()
+        if self._index is not None:
+            self._index.clear()
         for i, tier in enumerate(self.tiers):
             self._call(i, "clear", tier.clear, None)
 

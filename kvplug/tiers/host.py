@@ -72,6 +72,7 @@ class HostTier:
 
     name = "host"
     medium = "CPU"
+    private = True  # process memory: only its hierarchy stores pages here
 
     def __init__(
         self,

@@ -159,3 +159,62 @@ def test_the_scheduler_hands_each_steps_demotions_to_the_worker() -> None:
     assert evicted > 0
     assert storage.stats.demoted_pages + storage.stats.dropped_pages == evicted
     stack.close()
+
+
+# -- the index of stored pages (every tier private) ------------------------------------------
+
+
+def private_pair(host_tokens: int, memory_tokens: int) -> TierHierarchy:
+    from kvplug.tiers.host import MemoryTierOptions, memory_tier
+
+    host = HostTier(tier_context(), HostTierOptions(capacity_tokens=host_tokens))
+    memory = memory_tier(tier_context(), MemoryTierOptions(capacity_tokens=memory_tokens))
+    config = StorageConfig(background=False)
+    return TierHierarchy(
+        [host, memory], config, namespace(), pool=None, page_size=1, kv_bytes_per_token=64
+    )
+
+
+def test_may_hold_answers_from_the_pages_the_hierarchy_stored() -> None:
+    h = private_pair(1, 1)
+    a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
+    h.demote([a, b], [(10,), (11,)], [None, a], torch.arange(2))
+    # host: b; memory: a (pushed down)
+    assert h.may_hold(None, (10,)) and h.may_hold(a, (11,))
+    assert not h.may_hold(None, (11,))  # b's tokens, but under another parent
+    assert not h.may_hold(a, (12,))
+    h.demote([c], [(12,)], [None], torch.arange(1))
+    # host: c; memory: b; a pushed out of the last tier: forgotten
+    assert not h.may_hold(None, (10,))
+    assert h.may_hold(a, (11,)) and h.may_hold(None, (12,))
+    h.clear()
+    assert not h.may_hold(None, (12,))
+    h.close()
+
+
+def test_a_page_copied_up_stays_indexed_when_the_lower_copy_goes() -> None:
+    h = private_pair(1, 1)
+    a, b = bytes([1]) * 32, bytes([2]) * 32
+    h.demote([a], [(10,)], [None], torch.arange(1))
+    h.demote([b], [(20,)], [None], torch.arange(1))  # host: b; memory: a
+    keys, runs = h.locate(iter([a]))
+    assert runs == [(1, 1)]
+    # the prefetch copies a up: the host pushes b down, the memory pushes its a out; the
+    # host's copy of a is still there, so a must still be found
+    assert h.prefetch(keys, [(10,)], runs) == 1
+    assert h.may_hold(None, (10,)) and h.may_hold(None, (20,))
+    assert h.locate(iter([a])) == ([a], [(0, 1)])
+    h.close()
+
+
+def test_a_tier_that_is_not_private_turns_the_index_off(tmp_path) -> None:
+    from kvplug.tiers.disk import DiskTier, DiskTierOptions
+
+    host = HostTier(tier_context(), HostTierOptions(capacity_tokens=4))
+    disk = DiskTier(tier_context(), DiskTierOptions(path=str(tmp_path)))
+    h = TierHierarchy(
+        [host, disk], StorageConfig(background=False), namespace(), pool=None, page_size=1,
+        kv_bytes_per_token=64,
+    )  # fmt: skip
+    assert h.may_hold(None, (1, 2, 3))  # a restart may find pages there: always ask the tiers
+    h.close()

@@ -60,14 +60,20 @@ def served_bound(ids: list[int], served: list[list[int]]) -> int:
     return max((shared_pages(ids, q) for q in served), default=0)
 
 
-def hierarchy(cache: str, directory: str, host_tokens: int, **storage: Any) -> Driver:
-    """A device of 16 tokens (pages of ``PAGE``) over a host tier and an unbounded disk."""
+def hierarchy(
+    cache: str, directory: str, host_tokens: int, lower: str = "disk", **storage: Any
+) -> Driver:
+    """A device of 16 tokens (pages of ``PAGE``) over a host tier and an unbounded disk (or an
+    unbounded ``memory`` tier: every tier private, so the hierarchy answers misses from its
+    index of stored pages, which must never hide one)."""
+    below = (
+        {"name": "disk", "options": {"path": directory}}
+        if lower == "disk"
+        else {"name": "memory", "options": {"capacity_tokens": 1 << 20}}
+    )
     return Driver.build(
         config(
-            [
-                {"name": "host", "options": {"capacity_tokens": host_tokens}},
-                {"name": "disk", "options": {"path": directory}},
-            ],
+            [{"name": "host", "options": {"capacity_tokens": host_tokens}}, below],
             cache=cache,
             page_size=PAGE,
             capacity=16,
@@ -88,12 +94,12 @@ def run_machine(machine: type[RuleBasedStateMachine], examples: int) -> None:
     )
 
 
-def machine(cache: str) -> type[RuleBasedStateMachine]:
+def machine(cache: str, lower: str = "disk") -> type[RuleBasedStateMachine]:
     class TieredCache(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.dir = tempfile.mkdtemp(prefix="kvplug-tiers-")
-            self.d = hierarchy(cache, self.dir, HOST_TOKENS, prefetch=True)
+            self.d = hierarchy(cache, self.dir, HOST_TOKENS, lower, prefetch=True)
             self.served: list[list[int]] = []
 
         @rule(i=st.integers(0, len(PROMPTS) - 1))
@@ -142,13 +148,14 @@ def machine(cache: str) -> type[RuleBasedStateMachine]:
             self.d.close()
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    TieredCache.__name__ = f"TieredCache_{cache}"
+    TieredCache.__name__ = f"TieredCache_{cache}_{lower}"
     return TieredCache
 
 
+@pytest.mark.parametrize("lower", ["disk", "memory"])
 @pytest.mark.parametrize("cache", ["radix", "block_hash"])
-def test_no_served_page_is_lost_across_the_hierarchy(cache):
-    run_machine(machine(cache), examples=150)
+def test_no_served_page_is_lost_across_the_hierarchy(cache, lower):
+    run_machine(machine(cache, lower), examples=150)
 
 
 def test_pages_under_a_cut_leaf_chain_from_its_last_page(tmp_path):

@@ -61,3 +61,26 @@ def test_a_bad_config_exits_2(invoke, tmp_path: Path) -> None:
     result = invoke("serve-example", "-c", str(bad))
     assert result.exit_code == 2
     assert "unknown prefix cache 'nope'" in result.output
+
+
+def test_the_bundled_tiers_config_generates_what_a_recompute_does(invoke, tmp_path: Path) -> None:
+    """``examples/configs/tiers.toml`` (host + disk below a 64-token device, the step handoff):
+    every output equals the dense recompute, the device alone cannot hold the working set, and
+    what the worker stored came back from the tiers."""
+    import tomllib
+
+    config = tomllib.loads((EXAMPLES / "tiers.toml").read_text())
+    assert config["storage"]["handoff"] == "step"
+    config["storage"]["tiers"][1]["options"]["path"] = str(tmp_path / "disk")
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(config))
+    result = invoke("serve-example", "-c", str(path), "--prompts", "12", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    model = TinyModel.for_stack(kvplug.build(config))
+    for request, prompt in zip(payload["requests"], shared_prefix_prompts(12), strict=True):
+        assert request["output"] == reference_generate(model, prompt, 8)[0]
+    storage = payload["storage"]
+    assert storage["demoted_pages"] > 0 and storage["corrupt_pages"] == 0
+    assert storage["dropped_pages"] == 0
+    assert sum(storage["hit_tokens"].values()) == sum(payload["tier_hit_tokens"].values()) > 0

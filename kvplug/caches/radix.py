@@ -556,8 +556,10 @@ class RadixCache(BuiltFromContext):
         if pos >= end:
             return node, pos, ()
         page = self.page_size
-        parent = self._page_digest(node, extra_key)
         first_page = tuple(ids[pos : pos + page])  # a tuple, as the stored pages' tokens
+        if not storage.may_hold_tokens(first_page):
+            return node, pos, ()  # known to be nowhere below, without hashing anything
+        parent = self._page_digest(node, extra_key)
         if not storage.may_hold(None if node is self.root else parent, first_page):
             return node, pos, ()  # known to be nowhere below, without hashing the page
         digests = self.block_hasher.chain(

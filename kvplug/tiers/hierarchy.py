@@ -184,9 +184,9 @@ class TierHierarchy:
         self._bpt = config.cost.kv_bytes_per_token or kv_bytes_per_token
         self._health = [_Health() for _ in self.tiers]
         self._moving: dict[bytes, tuple[int, PageData]] = {}  # written below, still readable
-        # the tokens of the pages stored, by their parent's key, when every tier is private
-        # (nothing else stores pages in them): see may_hold
-        self._index: dict[bytes | None, set[tuple[int, ...]]] | None = (
+        # the parents' keys of the pages stored, by the pages' tokens, when every tier is
+        # private (nothing else stores pages in them): see may_hold
+        self._index: dict[tuple[int, ...], set[bytes | None]] | None = (
             {} if all(getattr(t, "private", False) for t in self.tiers) else None
         )
         self._lock = threading.Lock()
@@ -273,6 +273,13 @@ class TierHierarchy:
         found: int = self._call(i, "contains", self.tiers[i].contains, 0, keys)
         return count + found
 
+    def may_hold_tokens(self, tokens: tuple[int, ...]) -> bool:
+        """Whether a tier may hold a page of ``tokens`` after any parent: ``False`` only when
+        none does, answered from the index of the pages this hierarchy stored (kept when every
+        tier is private) without a digest, not even the parent's; always ``True`` otherwise."""
+        index = self._index
+        return index is None or tokens in index
+
     def may_hold(self, parent: bytes | None, tokens: tuple[int, ...]) -> bool:
         """Whether a tier may hold the page of ``tokens`` after the page keyed ``parent``
         (``None``: a prefix's first page). ``False`` only when no tier does, answered without
@@ -281,19 +288,19 @@ class TierHierarchy:
         index = self._index
         if index is None:
             return True
-        children = index.get(parent)
-        return children is not None and tokens in children
+        parents = index.get(tokens)
+        return parents is not None and parent in parents
 
     def _indexed(self, pages: list[PageData]) -> None:
         """Index stored pages (the worker's thread; a page is indexed once a tier took it)."""
         index = self._index
         if index is not None:
             for p in pages:
-                children = index.get(p.parent)
-                if children is None:
-                    index[p.parent] = {p.token_ids}
+                parents = index.get(p.token_ids)
+                if parents is None:
+                    index[p.token_ids] = {p.parent}
                 else:
-                    children.add(p.token_ids)
+                    parents.add(p.parent)
 
     def _unindexed(self, pages: list[PageData]) -> None:
         """Forget pages no tier holds any more (pushed out of the last one)."""
@@ -303,11 +310,11 @@ class TierHierarchy:
         for p in pages:
             if any(self._present(i, [p.key]) for i in range(len(self.tiers))):
                 continue  # another tier still holds it (a prefetch's copy)
-            children = index.get(p.parent)
-            if children is not None:
-                children.discard(p.token_ids)
-                if not children:
-                    del index[p.parent]
+            parents = index.get(p.token_ids)
+            if parents is not None:
+                parents.discard(p.parent)
+                if not parents:
+                    del index[p.token_ids]
 
     def locate(self, digests: Iterator[bytes]) -> tuple[list[bytes], list[tuple[int, int]]]:
         """How far the tiers reach along a prefix's page digests (pulled lazily from

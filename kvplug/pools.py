@@ -10,9 +10,11 @@ Memory is allocated once, at construction; nothing here allocates per step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvplug_hookspecs import TORCH_DTYPES, PoolGeometry
@@ -77,6 +79,12 @@ def _check_count(value: int, what: str, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {value}")
     return value
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int) -> np.ndarray:
+    """``0 .. n-1`` (a page's slot offsets), made once per page size."""
+    return np.arange(n)
 
 
 class MHAKVPool:
@@ -196,6 +204,38 @@ class MHAKVPool:
         if not self.store_kv:
             raise RuntimeError("this pool keeps no K/V (store_kv=False)")
         return self._kv.index_select(2, loc)
+
+    def read_pages(self, loc: torch.Tensor, page: int) -> torch.Tensor:
+        """Copy out the K/V of the whole pages at slots ``loc`` (``page`` slots a page, in
+        order): ``[pages, 2, layers, page, kv_heads, head_dim]``, each page one contiguous
+        block, the layout a storage tier keeps a page in.
+
+        On a CPU pool, pages that are ``page`` consecutive slots from a multiple of ``page`` (a
+        paged allocator's) are gathered once, page by page, straight into that layout; other
+        slots, and other devices, gather by slot and rearrange on the pool's device.
+        """
+        check_index_tensor(loc, self.device, "loc")
+        if not self.store_kv:
+            raise RuntimeError("this pool keeps no K/V (store_kv=False)")
+        if page < 1 or loc.numel() % page:
+            raise ValueError(f"{loc.numel()} slots are not whole pages of {page}")
+        n = loc.numel() // page
+        kv = self._kv
+        if self.device.type == "cpu" and self.num_rows % page == 0:
+            idx = loc.numpy()
+            firsts = idx[::page]
+            if page == 1 or (
+                not (firsts % page).any()
+                and (idx.reshape(n, page) - firsts[:, None] == _arange(page)).all()
+            ):
+                two, layers, rows, heads, dim = kv.shape
+                blocks = kv.view(two, layers, rows // page, page, heads, dim)
+                return blocks.permute(2, 0, 1, 3, 4, 5).index_select(
+                    0, torch.from_numpy(firsts // page)
+                )
+        by_slot = kv.index_select(2, loc)
+        two, layers, _, heads, dim = by_slot.shape
+        return by_slot.view(two, layers, n, page, heads, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def write_slots(self, loc: torch.Tensor, kv: torch.Tensor) -> None:
         """Write ``kv`` (``[2, layers, len(loc), kv_heads, head_dim]``, as ``read_slots`` returns

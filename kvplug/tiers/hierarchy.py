@@ -153,7 +153,7 @@ def _job_pages(job: _Job | _Prefetch) -> int:
 class TierHierarchy:
     """Ordered storage tiers below one device pool; see the module docstring.
 
-    ``pool``: the device pool (``read_slots`` / ``write_slots``), or ``None`` when it keeps no
+    ``pool``: the device pool (``read_pages`` / ``write_slots``), or ``None`` when it keeps no
     KV (pages are then bookkeeping only: keys and tokens, no tensors). ``kv_bytes_per_token``:
     the geometry's, for byte counts and the cost model.
     """
@@ -507,7 +507,7 @@ class TierHierarchy:
                     self.stats.dropped_pages += num_pages  # full: dropped, never waited for
                     return
                 counted = True
-            kv = self._pool.read_slots(slots) if self._pool is not None else None
+            kv = self._pool.read_pages(slots, self.page_size) if self._pool is not None else None
             job = _Job(num_pages, pages, kv)
             if self._queue is None:
                 self._store(job)
@@ -607,14 +607,11 @@ class TierHierarchy:
         if kv is None:
             pages = [PageData(k, t, p, None) for k, t, p in zip(keys, tokens, parents, strict=True)]
         else:
-            n, page = len(keys), self.page_size
-            two, layers, _, heads, dim = kv.shape
-            by_page = kv.view(two, layers, n, page, heads, dim).permute(2, 0, 1, 3, 4, 5)
-            if kv.device.type == "cpu":
-                host = by_page.contiguous()
+            if kv.device.type == "cpu":  # the pool's read_pages laid it out page by page
+                host = kv
             else:
-                host = torch.empty(by_page.shape, dtype=kv.dtype, pin_memory=self._pin)
-                host.copy_(by_page)
+                host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self._pin)
+                host.copy_(kv)
             pages = [
                 PageData(k, t, p, host[j])
                 for j, (k, t, p) in enumerate(zip(keys, tokens, parents, strict=True))

@@ -318,3 +318,47 @@ def test_a_hybrid_pool_without_kv_holds_no_memory_on_either_side():
         256,
         64,
     )
+
+
+# -- whole pages out, a storage tier's layout ------------------------------------------------
+
+
+def filled(pool: MHAKVPool) -> MHAKVPool:
+    """Every element of the pool's K/V a distinct value."""
+    kv = pool._kv
+    kv.copy_(torch.arange(kv.numel(), dtype=torch.float32).view(kv.shape))
+    return pool
+
+
+def by_slots(pool: MHAKVPool, loc: torch.Tensor, page: int) -> torch.Tensor:
+    """The reference: gather by slot, then each page's block contiguous."""
+    kv = pool.read_slots(loc)
+    two, layers, _, heads, dim = kv.shape
+    return kv.view(two, layers, -1, page, heads, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+@pytest.mark.parametrize(
+    ("page", "slots"),
+    [
+        (1, [5, 2, 7]),
+        (4, [8, 9, 10, 11, 4, 5, 6, 7]),  # aligned pages: one gather by page
+        (4, [9, 10, 11, 12]),  # consecutive but not from a multiple of 4
+        (4, [4, 5, 7, 6]),  # from a multiple of 4 but out of order
+        (2, [3, 2, 10, 11]),
+    ],
+)
+def test_read_pages_lays_out_each_page_as_one_block(page, slots):
+    pool = filled(make_pool(16, page_size=page if page > 1 else 1))
+    loc = torch.tensor(slots, dtype=torch.int64)
+    got = pool.read_pages(loc, page)
+    assert got.shape == (len(slots) // page, 2, 2, page, 2, 4)
+    assert got.is_contiguous()
+    assert torch.equal(got, by_slots(pool, loc, page))
+    pool._kv.zero_()  # a copy: the slots may be reused at once
+    assert got.abs().sum() > 0
+
+
+def test_read_pages_refuses_a_partial_page():
+    pool = make_pool(16, page_size=4)
+    with pytest.raises(ValueError, match="6 slots are not whole pages of 4"):
+        pool.read_pages(torch.arange(6), 4)

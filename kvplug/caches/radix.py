@@ -87,7 +87,6 @@ from .radix_events import RadixBlockHashes
 from .radix_tree import common_len, descendants
 from .tiered import (
     ChainedRun,
-    demote_pages,
     demote_runs,
     emit_tier_events,
     load_pages,
@@ -556,12 +555,12 @@ class RadixCache(BuiltFromContext):
         if pos >= end:
             return node, pos, ()
         page = self.page_size
-        first_page = tuple(ids[pos : pos + page])  # a tuple, as the stored pages' tokens
-        if not storage.may_hold_tokens(first_page):
-            return node, pos, ()  # known to be nowhere below, without hashing anything
+        stored = storage.stored_parents(ids[pos : pos + page]) if storage.indexed else None
+        if stored is not None and not stored:
+            return node, pos, ()  # no stored page has these tokens: nothing hashed
         parent = self._page_digest(node, extra_key)
-        if not storage.may_hold(None if node is self.root else parent, first_page):
-            return node, pos, ()  # known to be nowhere below, without hashing the page
+        if stored is not None and (None if node is self.root else parent) not in stored:
+            return node, pos, ()  # none after this parent: the page itself is not hashed
         digests = self.block_hasher.chain(
             parent, ids[pos:end], page, (end - pos) // page, extra_key
         )
@@ -798,14 +797,8 @@ class RadixCache(BuiltFromContext):
                 parent = cast(RadixNode, leaf.parent)
                 first_parent = None if parent is self.root else self._page_digest(parent, extra_key)
                 assert self._hashes is not None
-                demote_pages(
-                    self.storage,
-                    self._hashes.digests(leaf),
-                    leaf.key,
-                    first_parent,
-                    new_slots,
-                    self.page_size,
-                )
+                run = ChainedRun(leaf.key, extra_key, first_parent, self._hashes.known(leaf))
+                demote_runs(self.storage, self.block_hasher, (run,), new_slots, self.page_size)
         return pos
 
     def _path_stats(self, node: RadixNode) -> list[tuple[RadixNode, tuple[int, int, int]]]:

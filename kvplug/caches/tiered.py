@@ -1,7 +1,7 @@
 """What ``radix`` and ``block_hash`` share to use a storage hierarchy (``kvplug.tiers``).
 
 A cache with tiers keys every page by its chained digest (:mod:`.block_hashing`). On eviction
-it calls :func:`demote_pages` with the freed pages before their slots are freed; after a device
+it calls :func:`demote_runs` with the freed pages before their slots are freed; after a device
 match it locates the rest of the key in the tiers and, for a real match, :func:`load_pages`
 allocates slots (through the normal shortfall eviction), loads and verifies the pages and
 writes their KV into the pool; the cache then inserts them as if the request had computed them.
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChainedRun",
-    "demote_pages",
     "demote_runs",
     "emit_tier_events",
     "load_pages",
@@ -45,30 +44,12 @@ def page_tokens(ids: Sequence[int], start: int, num_pages: int, page: int) -> li
     return [tuple(ids[start + i * page : start + (i + 1) * page]) for i in range(num_pages)]
 
 
-def demote_pages(
-    storage: TierHierarchy,
-    digests: Sequence[bytes],
-    ids: Sequence[int],
-    parent: bytes | None,
-    slots: torch.Tensor,
-    page: int,
-) -> None:
-    """Hand a run of consecutive pages (``ids`` their tokens, ``slots`` their KV slots,
-    ``parent`` the digest of the page before the first) to the hierarchy. Never raises."""
-    try:
-        keys = list(digests)
-        tokens = page_tokens(ids, 0, len(keys), page)
-        parents: list[bytes | None] = [parent, *keys[:-1]]
-        storage.demote(keys, tokens, parents, slots)
-    except Exception:  # a demotion is an optimisation: the cache's own operation goes on
-        log.exception("demoting %d pages failed; they will be recomputed", len(digests))
-
-
 class ChainedRun(NamedTuple):
-    """One evicted node's pages for :func:`demote_runs`: its ``key`` (whole pages) in namespace
-    ``extra_key``, chained from ``parent`` (a digest; the index of a later run of the same
-    demotion, the node it hung from, evicted after it; ``None`` under the root); ``digests``
-    when the cache already knows them; the pages from ``first_page`` on are demoted."""
+    """One node's pages for :func:`demote_runs` (evicted, or inserted under write-through):
+    its ``key`` (whole pages) in namespace ``extra_key``, chained from ``parent`` (a digest;
+    the index of a later run of the same demotion, the node it hung from, evicted after it;
+    ``None`` under the root); ``digests`` when the cache already knows them; the pages from
+    ``first_page`` on are demoted."""
 
     key: tuple[int, ...]
     extra_key: str | None
@@ -84,8 +65,8 @@ def demote_runs(
     slots: torch.Tensor,
     page: int,
 ) -> None:
-    """Hand evicted nodes' pages (``runs`` in eviction order; ``slots`` the demoted pages'
-    slots, run after run: one per demoted token) to the hierarchy, their digests computed on
+    """Hand nodes' pages (``runs`` in eviction order; ``slots`` the demoted pages' slots, run
+    after run: one per demoted token) to the hierarchy, their digests computed on
     the worker, off the engine's path (they read only immutable keys and digests). Never
     raises."""
     num_pages = slots.numel() // page

@@ -39,7 +39,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Literal
@@ -51,6 +51,8 @@ from kvplug_hookspecs import PageData, StorageConfig, StorageTier, TierNamespace
 from .pages import CorruptPageError, check_page, page_checksum
 
 __all__ = ["HierarchyStats", "PageRun", "TierEvent", "TierHierarchy"]
+
+_NO_PARENTS: frozenset[bytes | None] = frozenset()
 
 log = logging.getLogger(__name__)
 
@@ -273,23 +275,25 @@ class TierHierarchy:
         found: int = self._call(i, "contains", self.tiers[i].contains, 0, keys)
         return count + found
 
-    def may_hold_tokens(self, tokens: tuple[int, ...]) -> bool:
-        """Whether a tier may hold a page of ``tokens`` after any parent: ``False`` only when
-        none does, answered from the index of the pages this hierarchy stored (kept when every
-        tier is private) without a digest, not even the parent's; always ``True`` otherwise."""
-        index = self._index
-        return index is None or tokens in index
+    @property
+    def indexed(self) -> bool:
+        """Whether this hierarchy indexes the pages it stored (every tier private)."""
+        return self._index is not None
 
-    def may_hold(self, parent: bytes | None, tokens: tuple[int, ...]) -> bool:
-        """Whether a tier may hold the page of ``tokens`` after the page keyed ``parent``
-        (``None``: a prefix's first page). ``False`` only when no tier does, answered without
-        the page's digest from the index of the pages this hierarchy stored, kept when every
-        tier is private; always ``True`` otherwise (``locate`` then answers)."""
+    def stored_parents(self, tokens: Sequence[int]) -> Set[bytes | None] | None:
+        """The parents' keys of the stored pages of ``tokens`` (empty: no tier holds a page of
+        these tokens), from the index of the pages this hierarchy stored, kept when every tier
+        is private; ``None`` without an index (any page may be anywhere: ``locate`` answers)."""
         index = self._index
         if index is None:
-            return True
-        parents = index.get(tokens)
-        return parents is not None and parent in parents
+            return None
+        return index.get(tuple(tokens), _NO_PARENTS)
+
+    def may_hold(self, parent: bytes | None, tokens: Sequence[int]) -> bool:
+        """Whether a tier may hold the page of ``tokens`` after the page keyed ``parent``
+        (``None``: a prefix's first page): ``False`` only when the index says none does."""
+        stored = self.stored_parents(tokens)
+        return stored is None or parent in stored
 
     def _indexed(self, pages: list[PageData]) -> None:
         """Index stored pages (the worker's thread; a page is indexed once a tier took it)."""

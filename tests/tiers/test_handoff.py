@@ -183,7 +183,7 @@ def test_may_hold_answers_from_the_pages_the_hierarchy_stored() -> None:
     assert h.may_hold(None, (10,)) and h.may_hold(a, (11,))
     assert not h.may_hold(None, (11,))  # b's tokens, but under another parent
     assert not h.may_hold(a, (12,))
-    assert h.may_hold_tokens((11,)) and not h.may_hold_tokens((12,))
+    assert h.stored_parents((11,)) == {a} and not h.stored_parents((12,))
     h.demote([c], [(12,)], [None], torch.arange(1))
     # host: c; memory: b; a pushed out of the last tier: forgotten
     assert not h.may_hold(None, (10,))
@@ -218,5 +218,5 @@ def test_a_tier_that_is_not_private_turns_the_index_off(tmp_path) -> None:
         kv_bytes_per_token=64,
     )  # fmt: skip
     assert h.may_hold(None, (1, 2, 3))  # a restart may find pages there: always ask the tiers
-    assert h.may_hold_tokens((1, 2, 3))
+    assert not h.indexed and h.stored_parents((1, 2, 3)) is None
     h.close()

@@ -624,13 +624,11 @@ class RadixCache(BuiltFromContext):
             ]
             if cut is not None:
                 leaf, key = cut[0], cut[1]
-                # its known digests are still those of its uncut key (forgotten after the free)
+                # hashed here, over its uncut key, and kept: the head it keeps (the pages
+                # before ``first``) is hashed once however often the leaf is cut again
+                digests = hashes.digests(leaf, key=key)
                 first = leaf.num_tokens // self.page_size
-                runs.append(
-                    ChainedRun(
-                        key, leaf.namespace, parent_of(leaf.parent), hashes.known(leaf), first
-                    )
-                )
+                runs.append(ChainedRun(key, leaf.namespace, parent_of(leaf.parent), digests, first))
         except Exception:  # never fails the eviction: the pages are recomputed when needed
             log.exception("radix: demoting evicted pages failed")
             return

@@ -87,6 +87,7 @@ from .radix_events import RadixBlockHashes
 from .radix_tree import common_len, descendants
 from .tiered import (
     ChainedRun,
+    RunHasher,
     demote_runs,
     emit_tier_events,
     load_pages,
@@ -244,6 +245,7 @@ class RadixCache(BuiltFromContext):
         )
         # the storage hierarchy below the pool (keys: the pages' SHA-256 chain), or None
         self.storage: TierHierarchy | None = storage(self.block_hasher.name) if storage else None
+        self._run_hasher = RunHasher(self.block_hasher)  # used where the storage demotes
         self._new_tree()
 
     def _new_tree(self) -> None:
@@ -624,16 +626,19 @@ class RadixCache(BuiltFromContext):
             ]
             if cut is not None:
                 leaf, key = cut[0], cut[1]
-                # hashed here, over its uncut key, and kept: the head it keeps (the pages
-                # before ``first``) is hashed once however often the leaf is cut again
-                digests = hashes.digests(leaf, key=key)
+                # its known digests are still those of its uncut key (forgotten after the free);
+                # unknown, the worker hashes the uncut key (its RunHasher remembers the head)
                 first = leaf.num_tokens // self.page_size
-                runs.append(ChainedRun(key, leaf.namespace, parent_of(leaf.parent), digests, first))
+                runs.append(
+                    ChainedRun(
+                        key, leaf.namespace, parent_of(leaf.parent), hashes.known(leaf), first
+                    )
+                )
         except Exception:  # never fails the eviction: the pages are recomputed when needed
             log.exception("radix: demoting evicted pages failed")
             return
         assert self.storage is not None
-        demote_runs(self.storage, self.block_hasher, runs, slots, self.page_size)
+        demote_runs(self.storage, self._run_hasher, runs, slots, self.page_size)
 
     def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
         """Refresh the recency of ``key``'s cached path without counting a hit or a query
@@ -796,7 +801,7 @@ class RadixCache(BuiltFromContext):
                 first_parent = None if parent is self.root else self._page_digest(parent, extra_key)
                 assert self._hashes is not None
                 run = ChainedRun(leaf.key, extra_key, first_parent, self._hashes.known(leaf))
-                demote_runs(self.storage, self.block_hasher, (run,), new_slots, self.page_size)
+                demote_runs(self.storage, self._run_hasher, (run,), new_slots, self.page_size)
         return pos
 
     def _path_stats(self, node: RadixNode) -> list[tuple[RadixNode, tuple[int, int, int]]]:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChainedRun",
+    "RunHasher",
     "demote_runs",
     "emit_tier_events",
     "load_pages",
@@ -58,9 +59,40 @@ class ChainedRun(NamedTuple):
     first_page: int = 0
 
 
+class RunHasher:
+    """Hashes the runs :func:`demote_runs` hands over, on one thread only (the hierarchy's
+    worker, or the cache's own when demotion is inline), remembering the chain it hashed last
+    from each start. A leaf an exact eviction cuts again and again is demoted with its uncut
+    key every time, a prefix of the key it had the time before: its digests are a prefix of
+    those already hashed, so its head is hashed once, not at every cut."""
+
+    def __init__(self, hasher: BlockHasher, entries: int = 64) -> None:
+        self.hasher = hasher
+        self._entries = entries
+        self._last: dict[tuple[bytes | None, tuple[int, ...]], tuple[tuple[int, ...], list[bytes]]]
+        self._last = {}
+
+    def digests(
+        self, start: bytes | None, key: tuple[int, ...], page: int, extra_key: str | None
+    ) -> list[bytes]:
+        """The digests of ``key``'s pages chained from ``start`` (``None``: the namespace's
+        seed)."""
+        count = len(key) // page
+        memo = (start, key[:page])  # siblings under one parent start with other tokens
+        last = self._last.get(memo)
+        if last is not None and len(last[0]) >= len(key) and last[0][: len(key)] == key:
+            return last[1][:count]
+        seed = self.hasher.root(extra_key) if start is None else start
+        digests = list(self.hasher.chain(seed, key, page, count, extra_key))
+        if len(self._last) >= self._entries:
+            self._last.clear()
+        self._last[memo] = (key, digests)
+        return digests
+
+
 def demote_runs(
     storage: TierHierarchy,
-    hasher: BlockHasher,
+    hasher: RunHasher,
     runs: Sequence[ChainedRun],
     slots: torch.Tensor,
     page: int,
@@ -81,9 +113,7 @@ def demote_runs(
             starts[i] = start
             digests = run.digests
             if digests is None:
-                seed = hasher.root(run.extra_key) if start is None else start
-                count = len(run.key) // page
-                digests = list(hasher.chain(seed, run.key, page, count, run.extra_key))
+                digests = hasher.digests(start, run.key, page, run.extra_key)
             chains[i] = digests
         keys: list[bytes] = []
         tokens: list[tuple[int, ...]] = []

@@ -220,3 +220,27 @@ def test_a_tier_that_is_not_private_turns_the_index_off(tmp_path) -> None:
     assert h.may_hold(None, (1, 2, 3))  # a restart may find pages there: always ask the tiers
     assert not h.indexed and h.stored_parents((1, 2, 3)) is None
     h.close()
+
+
+def test_a_run_hasher_hashes_a_repeatedly_cut_head_once() -> None:
+    """The uncut keys of a leaf cut again and again are prefixes of each other: the digests
+    are the hasher's every time, and only the first key is hashed."""
+    from kvplug.caches.tiered import RunHasher
+
+    calls: list[int] = []
+
+    class Counting(BlockHasher):
+        def chain(self, parent, ids, page_size, num_pages, extra_key=None):
+            calls.append(num_pages)
+            return super().chain(parent, ids, page_size, num_pages, extra_key)
+
+    plain, runs = BlockHasher(), RunHasher(Counting())
+    key = tuple(range(100, 132))  # 8 pages of 4
+    start = plain.root(None)
+    for cut in (32, 28, 20, 8):
+        want = list(plain.chain(start, key[:cut], 4, cut // 4))
+        assert runs.digests(None, key[:cut], 4, None) == want
+    assert calls == [8]
+    other = (7, *key[1:16])  # a sibling from the same start: hashed on its own
+    assert runs.digests(None, other, 4, None) == list(plain.chain(start, other, 4, 4))
+    assert calls == [8, 4]

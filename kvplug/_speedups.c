@@ -866,6 +866,665 @@ done:
     return out;
 }
 
+/* -- vLLM's free-block list with a policy ------------------------------------------------------
+ * kvplug.speedups.free_list_append / free_list_popleft / free_list_touch: the loops of
+ * kvplug.integrations.vllm.block_pool.PolicyFreeBlockQueue over vLLM's KVCacheBlock objects
+ * (read and written by attribute name), its per-block lists and its rank's methods. Each block
+ * id is checked against the tracked bytearray's length, which every per-block list matches.
+ */
+
+/* The block fields, read through their __slots__ offsets when the block's class is slotted
+ * (vLLM's KVCacheBlock is), by attribute name otherwise. The class is bound at the first call
+ * that sees it (a class without these slots is read by name). */
+enum { B_ID, B_HASH, B_PREV, B_NEXT, B_REF, B_NULL, B_COUNT };
+static PyObject *block_names[B_COUNT];
+static PyTypeObject *block_type = NULL; /* strong reference */
+static Py_ssize_t block_offsets[B_COUNT];
+static PyTypeObject *unslotted_type = NULL; /* the last class found without the slots (borrowed
+                                               identity only, never dereferenced) */
+
+static void bind_block_type(PyObject *obj) {
+    PyTypeObject *cls = Py_TYPE(obj);
+    if (cls == block_type || cls == unslotted_type) return;
+    Py_ssize_t found[B_COUNT];
+    for (int i = 0; i < B_COUNT; i++) {
+        PyObject *d = _PyType_Lookup(cls, block_names[i]); /* borrowed */
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) ||
+            ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX ||
+            cls->tp_getattro != PyObject_GenericGetAttr ||
+            cls->tp_setattro != PyObject_GenericSetAttr) { /* read by name */
+            unslotted_type = cls;
+            return;
+        }
+        found[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    Py_INCREF(cls);
+    Py_XSETREF(block_type, cls);
+    memcpy(block_offsets, found, sizeof(block_offsets));
+}
+
+#define BSLOT(obj, f) (*(PyObject **)((char *)(obj) + block_offsets[f]))
+
+/* A field's value (a new reference), NULL with an exception set. */
+static PyObject *bget(PyObject *obj, int f) {
+    if (Py_TYPE(obj) == block_type) {
+        PyObject *v = BSLOT(obj, f);
+        if (v == NULL) {
+            PyErr_Format(PyExc_AttributeError, "block field '%U' is not set", block_names[f]);
+            return NULL;
+        }
+        return Py_NewRef(v);
+    }
+    return PyObject_GetAttr(obj, block_names[f]);
+}
+
+static int bset(PyObject *obj, int f, PyObject *value) {
+    if (Py_TYPE(obj) == block_type) {
+        Py_XSETREF(BSLOT(obj, f), Py_NewRef(value));
+        return 0;
+    }
+    return PyObject_SetAttr(obj, block_names[f], value);
+}
+
+static int intern_names(void) {
+    static const char *names[B_COUNT] = {"block_id", "block_hash", "prev_free_block",
+                                         "next_free_block", "ref_cnt", "is_null"};
+    for (int i = 0; i < B_COUNT; i++) {
+        block_names[i] = PyUnicode_InternFromString(names[i]);
+        if (block_names[i] == NULL) return -1;
+    }
+    return 0;
+}
+
+/* The per-block lists of one call: lists of exactly n items (n: the tracked bytearray's size). */
+static int check_lists(PyObject *tracked, Py_ssize_t *n, PyObject **lists, int count) {
+    if (!PyByteArray_Check(tracked)) {
+        PyErr_SetString(PyExc_TypeError, "free list: tracked must be a bytearray");
+        return -1;
+    }
+    *n = PyByteArray_GET_SIZE(tracked);
+    for (int i = 0; i < count; i++) {
+        if (!PyList_Check(lists[i]) || PyList_GET_SIZE(lists[i]) != *n) {
+            PyErr_SetString(PyExc_ValueError,
+                            "free list: each per-block state must be a list of one item per block");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int item_long(PyObject *list, Py_ssize_t i, long long *out) {
+    *out = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int set_item_long(PyObject *list, Py_ssize_t i, long long value) {
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL) return -1;
+    PyObject *old = PyList_GET_ITEM(list, i);
+    PyList_SET_ITEM(list, i, v);
+    Py_DECREF(old);
+    return 0;
+}
+
+/* The block's id, checked to be in 0..n-1; -1 with an exception set otherwise. */
+static Py_ssize_t block_id_of(PyObject *block, Py_ssize_t n) {
+    PyObject *v = bget(block, B_ID);
+    if (v == NULL) return -1;
+    Py_ssize_t id = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    if (id == -1 && PyErr_Occurred()) return -1;
+    if (id < 0 || id >= n) {
+        PyErr_Format(PyExc_IndexError, "free list: block id %zd outside 0..%zd", id, n - 1);
+        return -1;
+    }
+    return id;
+}
+
+/* 1 if the attribute is None, 0 if not, -1 on error. */
+static int attr_is_none(PyObject *obj, int f) {
+    PyObject *v = bget(obj, f);
+    if (v == NULL) return -1;
+    int none = v == Py_None;
+    Py_DECREF(v);
+    return none;
+}
+
+/* Call fn(arg) and return the int result (for the rank's pop/pushpop), -2 on error. */
+static long long call_rank(PyObject *fn, long long arg, int with_arg) {
+    PyObject *r;
+    if (with_arg) {
+        PyObject *a = PyLong_FromLongLong(arg);
+        if (a == NULL) return -2;
+        r = PyObject_CallOneArg(fn, a);
+        Py_DECREF(a);
+    } else {
+        r = PyObject_CallNoArgs(fn);
+    }
+    if (r == NULL) return -2;
+    long long v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (v == -1 && PyErr_Occurred()) return -2;
+    return v;
+}
+
+static int call_void(PyObject *fn, long long arg) {
+    PyObject *a = PyLong_FromLongLong(arg);
+    if (a == NULL) return -1;
+    PyObject *r = PyObject_CallOneArg(fn, a);
+    Py_DECREF(a);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static PyObject *free_list_append(PyObject *Py_UNUSED(self), PyObject *const *args,
+                                  Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "free_list_append takes 7 arguments");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *tail = args[1], *tracked = args[2], *last = args[3];
+    PyObject *num_children = args[4], *add = args[6];
+    long long clock = PyLong_AsLongLong(args[5]);
+    if (clock == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n;
+    PyObject *lists[2] = {last, num_children};
+    if (check_lists(tracked, &n, lists, 2) < 0) return NULL;
+    if (!PyList_Check(blocks)) {
+        PyErr_SetString(PyExc_TypeError, "free_list_append: blocks must be a list");
+        return NULL;
+    }
+    char *track = PyByteArray_AS_STRING(tracked);
+    bind_block_type(tail);
+    PyObject *last_block = bget(tail, B_PREV);
+    if (last_block == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
+        PyObject *block = Py_NewRef(PyList_GET_ITEM(blocks, i));
+        if (bset(block, B_PREV, last_block) < 0 ||
+            bset(last_block, B_NEXT, block) < 0) {
+            Py_DECREF(block);
+            goto fail;
+        }
+        Py_SETREF(last_block, block);
+        int none = attr_is_none(block, B_HASH);
+        if (none < 0) goto fail;
+        if (none) continue; /* unhashed: reused in vLLM's order */
+        Py_ssize_t id = block_id_of(block, n);
+        if (id < 0) goto fail;
+        track[id] = 1;
+        if (set_item_long(last, id, clock + 1 + i) < 0) goto fail;
+        long long children;
+        if (item_long(num_children, id, &children) < 0) goto fail;
+        if (!children && call_void(add, id) < 0) goto fail;
+    }
+    if (bset(last_block, B_NEXT, tail) < 0 ||
+        bset(tail, B_PREV, last_block) < 0)
+        goto fail;
+    Py_DECREF(last_block);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(last_block);
+    return NULL;
+}
+
+/* Unlink block from the list: its neighbours point at each other, its links become None. */
+static int unlink_block(PyObject *block, int *linked) {
+    PyObject *before = bget(block, B_PREV);
+    if (before == NULL) return -1;
+    PyObject *after = bget(block, B_NEXT);
+    if (after == NULL) {
+        Py_DECREF(before);
+        return -1;
+    }
+    int rc = 0;
+    *linked = before != Py_None && after != Py_None;
+    if (*linked) {
+        rc = (bset(before, B_NEXT, after) < 0 ||
+              bset(after, B_PREV, before) < 0 ||
+              bset(block, B_PREV, Py_None) < 0 ||
+              bset(block, B_NEXT, Py_None) < 0)
+                 ? -1
+                 : 0;
+    }
+    Py_DECREF(before);
+    Py_DECREF(after);
+    return rc;
+}
+
+static PyObject *free_list_popleft(PyObject *Py_UNUSED(self), PyObject *const *args,
+                                   Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "free_list_popleft takes 12 arguments");
+        return NULL;
+    }
+    PyObject *head = args[0], *tracked = args[2], *blocks = args[3], *parent_of = args[4];
+    PyObject *parent_gen = args[5], *gen = args[6], *num_children = args[7], *content = args[8];
+    PyObject *pop = args[9], *pushpop = args[10], *add = args[11];
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n;
+    PyObject *lists[6] = {blocks, parent_of, parent_gen, gen, num_children, content};
+    if (check_lists(tracked, &n, lists, 6) < 0) return NULL;
+    char *track = PyByteArray_AS_STRING(tracked);
+    bind_block_type(head);
+    PyObject *taken = PyList_New(0);
+    if (taken == NULL) return NULL;
+    long long carry = -1;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *victim = bget(head, B_NEXT);
+        if (victim == NULL) goto fail;
+        Py_ssize_t id = block_id_of(victim, n);
+        if (id < 0) {
+            Py_DECREF(victim);
+            goto fail;
+        }
+        if (track[id]) {
+            long long chosen;
+            if (carry >= 0) {
+                chosen = call_rank(pushpop, carry, 1);
+                carry = -1;
+            } else {
+                chosen = call_rank(pop, 0, 0);
+            }
+            if (chosen == -2 || (chosen >= n)) {
+                if (chosen >= n) PyErr_SetString(PyExc_IndexError, "free list: bad victim id");
+                Py_DECREF(victim);
+                goto fail;
+            }
+            if (chosen >= 0) {
+                id = (Py_ssize_t)chosen;
+                Py_SETREF(victim, Py_NewRef(PyList_GET_ITEM(blocks, id)));
+            }
+            track[id] = 0;
+        }
+        int linked;
+        if (unlink_block(victim, &linked) < 0 || PyList_Append(taken, victim) < 0) {
+            Py_DECREF(victim);
+            goto fail;
+        }
+        Py_DECREF(victim);
+        if (!linked) {
+            PyErr_SetString(PyExc_RuntimeError, "free list: a block to take is not linked");
+            goto fail;
+        }
+        if (PyList_GET_ITEM(content, id) != Py_None) { /* its hashes go next */
+            PyObject *old = PyList_GET_ITEM(content, id);
+            PyList_SET_ITEM(content, id, Py_NewRef(Py_None));
+            Py_DECREF(old);
+            long long children, g, parent, pg, pgen;
+            if (item_long(num_children, id, &children) < 0) goto fail;
+            if (children) { /* links of its children name an older generation */
+                if (set_item_long(num_children, id, 0) < 0) goto fail;
+                if (item_long(gen, id, &g) < 0 || set_item_long(gen, id, g + 1) < 0) goto fail;
+            }
+            if (item_long(parent_of, id, &parent) < 0) goto fail;
+            if (parent >= 0) {
+                if (parent >= n) {
+                    PyErr_SetString(PyExc_IndexError, "free list: bad parent id");
+                    goto fail;
+                }
+                if (item_long(parent_gen, id, &pg) < 0 || item_long(gen, parent, &pgen) < 0)
+                    goto fail;
+                if (pg == pgen) {
+                    long long left;
+                    if (item_long(num_children, parent, &left) < 0) goto fail;
+                    left -= 1;
+                    if (set_item_long(num_children, parent, left) < 0) goto fail;
+                    if (!left && track[parent]) {
+                        if (carry >= 0 && call_void(add, carry) < 0) goto fail;
+                        carry = parent;
+                    }
+                }
+            }
+        }
+    }
+    if (carry >= 0 && call_void(add, carry) < 0) goto fail;
+    return taken;
+fail:
+    Py_DECREF(taken);
+    return NULL;
+}
+
+static PyObject *free_list_touch(PyObject *Py_UNUSED(self), PyObject *const *args,
+                                 Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "free_list_touch takes 5 arguments");
+        return NULL;
+    }
+    PyObject *tracked = args[1], *num_children = args[2], *hits = args[3], *discard = args[4];
+    Py_ssize_t n;
+    PyObject *lists[2] = {num_children, hits};
+    if (check_lists(tracked, &n, lists, 2) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "free_list_touch: blocks must be a sequence");
+    if (seq == NULL) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq)) bind_block_type(PySequence_Fast_GET_ITEM(seq, 0));
+    char *track = PyByteArray_AS_STRING(tracked);
+    Py_ssize_t unlinked = 0, bad = -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *block = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *v = bget(block, B_NULL);
+        if (v == NULL) goto fail;
+        int is_null = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        if (is_null < 0) goto fail;
+        if (is_null) continue;
+        Py_ssize_t id = block_id_of(block, n);
+        if (id < 0) goto fail;
+        v = bget(block, B_REF);
+        if (v == NULL) goto fail;
+        long long ref = PyLong_AsLongLong(v);
+        Py_DECREF(v);
+        if (ref == -1 && PyErr_Occurred()) goto fail;
+        if (ref == 0) { /* in the free list: take it out */
+            int linked;
+            if (unlink_block(block, &linked) < 0) goto fail;
+            if (!linked) {
+                bad = i;
+                break;
+            }
+            unlinked++;
+            if (track[id]) {
+                track[id] = 0;
+                long long children;
+                if (item_long(num_children, id, &children) < 0) goto fail;
+                if (!children && call_void(discard, id) < 0) goto fail;
+            }
+        }
+        v = PyLong_FromLongLong(ref + 1);
+        if (v == NULL) goto fail;
+        int rc = bset(block, B_REF, v);
+        Py_DECREF(v);
+        if (rc < 0) goto fail;
+        int none = attr_is_none(block, B_HASH);
+        if (none < 0) goto fail;
+        if (!none) {
+            long long h;
+            if (item_long(hits, id, &h) < 0 || set_item_long(hits, id, h + 1) < 0) goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("nn", unlinked, bad);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* -- BlockHeap: block ids by key, smallest first ------------------------------------------------
+ * An indexed binary heap over block ids 0..n-1 (each at most once), ordered by (major, minor,
+ * block id). push(id, key) sets a key (major 0); add(id) computes the key of a sort-key
+ * policy from the per-block lists given at construction: (min(hits[id], cap) // div, last[id]),
+ * what kvplug.integrations.vllm.ranks.KeyedRank (the reference) orders by.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n, size;
+    int32_t *heap;  /* heap[0..size) */
+    Py_ssize_t *pos; /* pos[id]: index in heap, -1 if absent */
+    int64_t *major, *minor;
+    PyObject *last, *hits; /* lists of n ints, or NULL (push only) */
+    long long cap, div;
+} BlockHeap;
+
+static inline int bh_less(const BlockHeap *h, int32_t a, int32_t b) {
+    if (h->major[a] != h->major[b]) return h->major[a] < h->major[b];
+    if (h->minor[a] != h->minor[b]) return h->minor[a] < h->minor[b];
+    return a < b;
+}
+
+static void bh_up(BlockHeap *h, Py_ssize_t i) {
+    int32_t id = h->heap[i];
+    while (i > 0) {
+        Py_ssize_t parent = (i - 1) / 2;
+        int32_t p = h->heap[parent];
+        if (!bh_less(h, id, p)) break;
+        h->heap[i] = p;
+        h->pos[p] = i;
+        i = parent;
+    }
+    h->heap[i] = id;
+    h->pos[id] = i;
+}
+
+static void bh_down(BlockHeap *h, Py_ssize_t i) {
+    int32_t id = h->heap[i];
+    for (;;) {
+        Py_ssize_t child = 2 * i + 1;
+        if (child >= h->size) break;
+        if (child + 1 < h->size && bh_less(h, h->heap[child + 1], h->heap[child])) child++;
+        int32_t c = h->heap[child];
+        if (!bh_less(h, c, id)) break;
+        h->heap[i] = c;
+        h->pos[c] = i;
+        i = child;
+    }
+    h->heap[i] = id;
+    h->pos[id] = i;
+}
+
+static void bh_set(BlockHeap *h, int32_t id, int64_t major, int64_t minor) {
+    Py_ssize_t i = h->pos[id];
+    h->major[id] = major;
+    h->minor[id] = minor;
+    if (i < 0) {
+        i = h->size++;
+        h->heap[i] = id;
+        h->pos[id] = i;
+        bh_up(h, i);
+    } else {
+        bh_up(h, i);
+        bh_down(h, h->pos[id]);
+    }
+}
+
+static int bh_remove(BlockHeap *h, int32_t id) {
+    Py_ssize_t i = h->pos[id];
+    if (i < 0) return 0;
+    h->pos[id] = -1;
+    int32_t moved = h->heap[--h->size];
+    if (i < h->size) {
+        h->heap[i] = moved;
+        h->pos[moved] = i;
+        bh_up(h, i);
+        bh_down(h, h->pos[moved]);
+    }
+    return 1;
+}
+
+static int bh_id(BlockHeap *h, PyObject *arg, int32_t *out) {
+    Py_ssize_t id = PyLong_AsSsize_t(arg);
+    if (id == -1 && PyErr_Occurred()) return -1;
+    if (id < 0 || id >= h->n) {
+        PyErr_Format(PyExc_IndexError, "BlockHeap: block id %zd outside 0..%zd", id, h->n - 1);
+        return -1;
+    }
+    *out = (int32_t)id;
+    return 0;
+}
+
+/* The sort key of a keyed heap's block (from the lists). */
+static int bh_keyed(BlockHeap *h, int32_t id, int64_t *major, int64_t *minor) {
+    if (h->last == NULL) {
+        PyErr_SetString(PyExc_TypeError, "BlockHeap: add() needs the per-block lists");
+        return -1;
+    }
+    long long hits, last;
+    if (item_long(h->hits, id, &hits) < 0 || item_long(h->last, id, &last) < 0) return -1;
+    *major = (hits < h->cap ? hits : h->cap) / h->div;
+    *minor = last;
+    return 0;
+}
+
+static PyObject *bh_add(BlockHeap *h, PyObject *arg) {
+    int32_t id;
+    int64_t major, minor;
+    if (bh_id(h, arg, &id) < 0 || bh_keyed(h, id, &major, &minor) < 0) return NULL;
+    bh_set(h, id, major, minor);
+    Py_RETURN_NONE;
+}
+
+static PyObject *bh_push(BlockHeap *h, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t id;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "BlockHeap.push takes (block_id, key)");
+        return NULL;
+    }
+    if (bh_id(h, args[0], &id) < 0) return NULL;
+    long long key = PyLong_AsLongLong(args[1]);
+    if (key == -1 && PyErr_Occurred()) return NULL;
+    bh_set(h, id, 0, key);
+    Py_RETURN_NONE;
+}
+
+static PyObject *bh_discard(BlockHeap *h, PyObject *arg) {
+    int32_t id;
+    if (bh_id(h, arg, &id) < 0) return NULL;
+    bh_remove(h, id);
+    Py_RETURN_NONE;
+}
+
+static PyObject *bh_remove_m(BlockHeap *h, PyObject *arg) {
+    int32_t id;
+    if (bh_id(h, arg, &id) < 0) return NULL;
+    return PyBool_FromLong(bh_remove(h, id));
+}
+
+static PyObject *bh_pop(BlockHeap *h, PyObject *Py_UNUSED(ignored)) {
+    if (!h->size) return PyLong_FromLong(-1);
+    int32_t id = h->heap[0];
+    bh_remove(h, id);
+    return PyLong_FromLong(id);
+}
+
+static PyObject *bh_peek(BlockHeap *h, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(h->size ? h->heap[0] : -1);
+}
+
+static PyObject *bh_pushpop(BlockHeap *h, PyObject *arg) {
+    int32_t id;
+    int64_t major, minor;
+    if (bh_id(h, arg, &id) < 0 || bh_keyed(h, id, &major, &minor) < 0) return NULL;
+    if (h->pos[id] < 0) {
+        int32_t top = h->size ? h->heap[0] : -1;
+        if (top < 0 || major < h->major[top] ||
+            (major == h->major[top] && (minor < h->minor[top] ||
+                                        (minor == h->minor[top] && id < top))))
+            return PyLong_FromLong(id); /* the next victim anyway: the heap is untouched */
+    }
+    bh_set(h, id, major, minor);
+    return bh_pop(h, NULL);
+}
+
+static Py_ssize_t bh_len(BlockHeap *h) { return h->size; }
+
+static int bh_contains(BlockHeap *h, PyObject *arg) {
+    if (!PyLong_Check(arg)) return 0;
+    Py_ssize_t id = PyLong_AsSsize_t(arg);
+    if (id == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return id >= 0 && id < h->n && h->pos[id] >= 0;
+}
+
+static void bh_dealloc(BlockHeap *h) {
+    PyObject_GC_UnTrack(h);
+    Py_CLEAR(h->last);
+    Py_CLEAR(h->hits);
+    PyMem_Free(h->heap);
+    PyMem_Free(h->pos);
+    PyMem_Free(h->major);
+    PyMem_Free(h->minor);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static int bh_traverse(BlockHeap *h, visitproc visit, void *arg) {
+    Py_VISIT(h->last);
+    Py_VISIT(h->hits);
+    return 0;
+}
+
+static int bh_clear(BlockHeap *h) {
+    Py_CLEAR(h->last);
+    Py_CLEAR(h->hits);
+    return 0;
+}
+
+static int bh_init(BlockHeap *h, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"num_blocks", "last", "hits", "cap", "div", NULL};
+    Py_ssize_t n;
+    PyObject *last = Py_None, *hits = Py_None;
+    long long cap = 0, div = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|OOLL", kwlist, &n, &last, &hits, &cap,
+                                     &div))
+        return -1;
+    if (n < 0 || n > INT32_MAX || div < 1 || cap < 0) {
+        PyErr_SetString(PyExc_ValueError, "BlockHeap: bad num_blocks, cap or div");
+        return -1;
+    }
+    if ((last == Py_None) != (hits == Py_None) ||
+        (last != Py_None && (!PyList_Check(last) || !PyList_Check(hits) ||
+                             PyList_GET_SIZE(last) != n || PyList_GET_SIZE(hits) != n))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "BlockHeap: last and hits are both lists of num_blocks ints, or neither");
+        return -1;
+    }
+    if (h->heap != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "BlockHeap: already initialised");
+        return -1;
+    }
+    Py_ssize_t m = n ? n : 1;
+    h->heap = PyMem_Malloc(m * sizeof(int32_t));
+    h->pos = PyMem_Malloc(m * sizeof(Py_ssize_t));
+    h->major = PyMem_Calloc(m, sizeof(int64_t));
+    h->minor = PyMem_Calloc(m, sizeof(int64_t));
+    if (!h->heap || !h->pos || !h->major || !h->minor) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) h->pos[i] = -1;
+    h->n = n;
+    h->size = 0;
+    h->cap = cap;
+    h->div = div;
+    if (last != Py_None) {
+        h->last = Py_NewRef(last);
+        h->hits = Py_NewRef(hits);
+    }
+    return 0;
+}
+
+static PyMethodDef bh_methods[] = {
+    {"add", (PyCFunction)bh_add, METH_O, "The block becomes a candidate (keyed from the lists)."},
+    {"push", (PyCFunction)(void (*)(void))bh_push, METH_FASTCALL, "Set a block's key."},
+    {"discard", (PyCFunction)bh_discard, METH_O, "The block leaves (no-op if absent)."},
+    {"remove", (PyCFunction)bh_remove_m, METH_O, "The block leaves; whether it was there."},
+    {"pop", (PyCFunction)bh_pop, METH_NOARGS, "Remove and return the smallest, -1 if none."},
+    {"peek", (PyCFunction)bh_peek, METH_NOARGS, "The smallest, -1 if none."},
+    {"pushpop", (PyCFunction)bh_pushpop, METH_O, "add(block_id) then pop()."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods bh_sequence = {
+    .sq_length = (lenfunc)bh_len,
+    .sq_contains = (objobjproc)bh_contains,
+};
+
+static PyTypeObject BlockHeapType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvplug._speedups.BlockHeap",
+    .tp_basicsize = sizeof(BlockHeap),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Block ids by key, smallest first (see kvplug.integrations.vllm.ranks).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)bh_init,
+    .tp_dealloc = (destructor)bh_dealloc,
+    .tp_traverse = (traverseproc)bh_traverse,
+    .tp_clear = (inquiry)bh_clear,
+    .tp_methods = bh_methods,
+    .tp_as_sequence = &bh_sequence,
+};
+
 /* -- module ----------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -880,6 +1539,12 @@ static PyMethodDef methods[] = {
     {"check_token_ids", check_token_ids, METH_VARARGS, "Every token id an int that fits in int64."},
     {"common_prefix", common_prefix, METH_VARARGS, "The common prefix length of two int64 arrays."},
     {"sha256_chain", sha256_chain, METH_VARARGS, "Chained SHA-256 page digests of a buffer."},
+    {"free_list_append", (PyCFunction)(void (*)(void))free_list_append, METH_FASTCALL,
+     "Append blocks to a policy free list (see kvplug.speedups)."},
+    {"free_list_popleft", (PyCFunction)(void (*)(void))free_list_popleft, METH_FASTCALL,
+     "Take blocks from a policy free list (see kvplug.speedups)."},
+    {"free_list_touch", (PyCFunction)(void (*)(void))free_list_touch, METH_FASTCALL,
+     "vLLM's touch over a policy free list (see kvplug.speedups)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -887,4 +1552,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvplug._speedups",
                                     "Compiled kernels of kvplug.speedups.", -1, methods,
                                     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__speedups(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__speedups(void) {
+    if (intern_names() < 0 || PyType_Ready(&BlockHeapType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "BlockHeap", (PyObject *)&BlockHeapType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,4 +1,5 @@
-"""The hot-path kernels of the radix cache and the allocators' checks, compiled when possible.
+"""The hot-path kernels of the radix cache, the allocators' checks and the vLLM free list, compiled
+when possible.
 
 Each function here is the reference: plain Python that defines the behaviour. When the C
 extension ``kvplug._speedups`` was built (``pip install`` compiles it with the system's C
@@ -24,11 +25,15 @@ import numpy as np
 __all__ = [
     "NATIVE_AVAILABLE",
     "bind_node_type",
+    "block_heap_type",
     "check_slots",
     "check_token_ids",
     "common_prefix",
     "distinct_units",
     "expand_units",
+    "free_list_append",
+    "free_list_popleft",
+    "free_list_touch",
     "lock_path",
     "native_enabled",
     "release_slots",
@@ -326,6 +331,140 @@ def sha256_chain(parent: bytes, data: bytes, start: int, count: int, size: int) 
     return out
 
 
+# -- a free-block list with a policy (vLLM's ``FreeKVCacheBlockQueue`` under kvplug) ----------
+# The blocks are vLLM's ``KVCacheBlock`` objects, read and written by attribute name only
+# (``block_id``, ``block_hash``, ``prev_free_block``, ``next_free_block``, ``ref_cnt``,
+# ``is_null``); nothing here imports vLLM. The per-block state (``tracked``: a bytearray,
+# ``last``/``hits``/``num_children``/``parent_of``/``parent_gen``/``gen``/``content``: lists)
+# is the queue's (:class:`kvplug.integrations.vllm.block_pool.PolicyFreeBlockQueue` documents
+# it); ``add``/``discard``/``pop``/``pushpop`` are its rank's methods.
+
+
+def free_list_append(
+    blocks: list[Any],
+    tail: Any,
+    tracked: bytearray,
+    last: list[int],
+    num_children: list[int],
+    clock: int,
+    add: Any,
+) -> None:
+    """Link ``blocks`` (non-empty) in order before the list's ``tail`` sentinel, as vLLM's
+    ``append_n``; block ``i`` that holds a hash is tracked with recency ``clock + 1 + i``, and
+    becomes a candidate (``add``) while it has no cached successor."""
+    last_block = tail.prev_free_block
+    for tick, block in enumerate(blocks, clock + 1):  # a tick each
+        block.prev_free_block = last_block
+        last_block.next_free_block = block
+        last_block = block
+        if block.block_hash is None:
+            continue  # unhashed: reused in vLLM's order
+        block_id = block.block_id
+        tracked[block_id] = 1
+        last[block_id] = tick
+        if not num_children[block_id]:
+            add(block_id)
+    last_block.next_free_block = tail
+    tail.prev_free_block = last_block
+
+
+def free_list_popleft(
+    head: Any,
+    n: int,
+    tracked: bytearray,
+    blocks: list[Any],
+    parent_of: list[int],
+    parent_gen: list[int],
+    gen: list[int],
+    num_children: list[int],
+    content: list[Any],
+    pop: Any,
+    pushpop: Any,
+    add: Any,
+) -> list[Any]:
+    """Unlink and return ``n`` blocks (the list holds at least ``n``): the one after the
+    ``head`` sentinel while it is not tracked, else the rank's victim (``pop``; the head again
+    when the rank has none). A taken block's content goes (``content`` entry ``None``): its
+    children's links become stale (``gen`` ticks), and a tracked parent whose last cached child
+    it was becomes a candidate (``pushpop`` at the next choice, or ``add`` at the end)."""
+    carry = -1  # a parent that just became a candidate (added at the next pop, or at the end)
+    taken: list[Any] = []
+    keep = taken.append
+    for _ in range(n):
+        victim = head.next_free_block
+        block_id = victim.block_id
+        if tracked[block_id]:
+            if carry >= 0:
+                chosen = pushpop(carry)
+                carry = -1
+            else:
+                chosen = pop()
+            if chosen >= 0:
+                block_id = chosen
+                victim = blocks[chosen]
+            tracked[block_id] = 0
+        # unlink from vLLM's list (what its remove() does, without the call)
+        before, after = victim.prev_free_block, victim.next_free_block
+        before.next_free_block = after
+        after.prev_free_block = before
+        victim.prev_free_block = victim.next_free_block = None
+        if content[block_id] is not None:  # its hashes go next: no chain runs through it
+            content[block_id] = None
+            if num_children[block_id]:  # links of its children name an older generation
+                num_children[block_id] = 0
+                gen[block_id] += 1
+            parent_id = parent_of[block_id]  # (reset when it caches new content)
+            if parent_id >= 0 and parent_gen[block_id] == gen[parent_id]:
+                left = num_children[parent_id] - 1
+                num_children[parent_id] = left
+                if not left and tracked[parent_id]:
+                    if carry >= 0:
+                        add(carry)
+                    carry = parent_id
+        keep(victim)
+    if carry >= 0:
+        add(carry)
+    return taken
+
+
+def free_list_touch(
+    blocks: Any, tracked: bytearray, num_children: list[int], hits: list[int], discard: Any
+) -> tuple[int, int]:
+    """vLLM's ``BlockPool.touch`` over a free list with a rank, in order: a free block
+    (``ref_cnt`` 0) is unlinked (a tracked leaf leaves the rank), every non-null block gets a
+    reference, a hashed one a hit. Returns ``(unlinked, bad)``: how many left the list, and the
+    position of a free block that is not linked (``-1``: none); the touch stops before it, and
+    the caller raises vLLM's error for it."""
+    unlinked = 0
+    for i, block in enumerate(blocks):
+        if block.is_null:
+            continue
+        block_id = block.block_id
+        if block.ref_cnt == 0:  # in the free list: take it out
+            before, after = block.prev_free_block, block.next_free_block
+            if before is None or after is None:
+                return unlinked, i
+            before.next_free_block = after
+            after.prev_free_block = before
+            block.prev_free_block = block.next_free_block = None
+            unlinked += 1
+            if tracked[block_id]:
+                tracked[block_id] = 0
+                if not num_children[block_id]:  # only leaves are candidates
+                    discard(block_id)
+        block.ref_cnt += 1
+        if block.block_hash is not None:
+            hits[block_id] += 1
+    return unlinked, -1
+
+
+def block_heap_type() -> type | None:
+    """The compiled ``BlockHeap`` (block ids by key: ``kvplug._speedups``) while the compiled
+    kernels are in use, else ``None``: :mod:`kvplug.integrations.vllm.ranks` then uses its own
+    Python heaps, the reference."""
+    return _native.BlockHeap if native_enabled() else None
+
+
 _PYTHON = {
     "walk": walk,
     "stamp_hits": stamp_hits,
@@ -337,6 +476,9 @@ _PYTHON = {
     "check_token_ids": check_token_ids,
     "common_prefix": common_prefix,
     "sha256_chain": sha256_chain,
+    "free_list_append": free_list_append,
+    "free_list_popleft": free_list_popleft,
+    "free_list_touch": free_list_touch,
 }
 
 

@@ -45,6 +45,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvplug_hookspecs import CandidateStats, EvictionPolicy
 
+from ... import speedups
 from ...policies.builtin import LRUPolicy
 from .ranks import BlockRank, BlockStats, BlockTable, PolicyRank, rank_for
 
@@ -153,9 +154,8 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         return not self._num_children[block_id]
 
     # -- vLLM's queue operations --------------------------------------------------------------
-    # Hot paths: locals instead of attribute lookups, vLLM's list links set inline, no helper
-    # call per block where a few lines do (each Python call costs as much as vLLM's own
-    # per-block work).
+    # Hot paths: the per-block loops are kvplug.speedups' free_list_* kernels (compiled where
+    # the extension was built; the Python reference otherwise), one call per operation.
 
     def popleft(self) -> KVCacheBlock:
         if not self.num_free_blocks:
@@ -173,48 +173,21 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if n == 0:
             return []
         assert self.num_free_blocks >= n
-        head, tracked, blocks = self.fake_free_list_head, self._tracked, self._blocks
-        parent_of, parent_gen, gen = self._parent, self._parent_gen, self._gen
-        num_children, content = self._num_children, self._table.content
         rank = self._rank
-        pop, pushpop, add = rank.pop, rank.pushpop, rank.add
-        carry = -1  # a parent that just became a candidate (added at the next pop, or at the end)
-        taken: list[KVCacheBlock] = []
-        keep = taken.append
-        for _ in range(n):
-            victim = head.next_free_block
-            block_id = victim.block_id
-            if tracked[block_id]:
-                if carry >= 0:
-                    chosen = pushpop(carry)
-                    carry = -1
-                else:
-                    chosen = pop()
-                if chosen >= 0:
-                    block_id = chosen
-                    victim = blocks[chosen]
-                tracked[block_id] = 0
-            # unlink from vLLM's list (what its remove() does, without the call)
-            before, after = victim.prev_free_block, victim.next_free_block
-            before.next_free_block = after
-            after.prev_free_block = before
-            victim.prev_free_block = victim.next_free_block = None
-            if content[block_id] is not None:  # its hashes go next: no chain runs through it
-                content[block_id] = None
-                if num_children[block_id]:  # links of its children name an older generation
-                    num_children[block_id] = 0
-                    gen[block_id] += 1
-                parent_id = parent_of[block_id]  # (reset when it caches new content)
-                if parent_id >= 0 and parent_gen[block_id] == gen[parent_id]:
-                    left = num_children[parent_id] - 1
-                    num_children[parent_id] = left
-                    if not left and tracked[parent_id]:
-                        if carry >= 0:
-                            add(carry)
-                        carry = parent_id
-            keep(victim)
-        if carry >= 0:
-            add(carry)
+        taken = speedups.free_list_popleft(
+            self.fake_free_list_head,
+            n,
+            self._tracked,
+            self._blocks,
+            self._parent,
+            self._parent_gen,
+            self._gen,
+            self._num_children,
+            self._table.content,
+            rank.pop,
+            rank.pushpop,
+            rank.add,
+        )
         self.num_free_blocks -= n
         return taken
 
@@ -242,23 +215,18 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         if not blocks:
             return
         tail = self.fake_free_list_tail
-        last_block = tail.prev_free_block
-        assert last_block is not None, "prev_free_block of fake_free_list_tail should always exist"
-        last, tracked, num_children = self._table.last, self._tracked, self._num_children
-        add = self._rank.add
-        for clock, block in enumerate(blocks, self._clock + 1):  # a tick each
-            block.prev_free_block = last_block
-            last_block.next_free_block = block
-            last_block = block
-            if block.block_hash is None:
-                continue  # unhashed: reused in vLLM's order
-            block_id = block.block_id
-            tracked[block_id] = 1
-            last[block_id] = clock
-            if not num_children[block_id]:
-                add(block_id)
-        last_block.next_free_block = tail
-        tail.prev_free_block = last_block
+        assert tail.prev_free_block is not None, (
+            "prev_free_block of fake_free_list_tail should always exist"
+        )
+        speedups.free_list_append(
+            blocks,
+            tail,
+            self._tracked,
+            self._table.last,
+            self._num_children,
+            self._clock,
+            self._rank.add,
+        )
         self._clock += len(blocks)
         self.num_free_blocks += len(blocks)
 
@@ -357,27 +325,12 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
         """vLLM's ``BlockPool.touch`` and :meth:`on_hits` in one loop (vLLM's loop, line for
         line, with its ``remove`` inlined): take the free ones out of the list, add a
         reference, count a hit on the cached ones. For pools without a metrics collector."""
-        tracked, num_children = self._tracked, self._num_children
-        hits, discard = self._table.hits, self._rank.discard
-        for block in blocks:
-            if block.is_null:
-                continue
-            if block.ref_cnt == 0:  # in the free list: take it out
-                before, after = block.prev_free_block, block.next_free_block
-                if before is None or after is None:
-                    super().remove(block)  # vLLM's own error
-                before.next_free_block = after
-                after.prev_free_block = before
-                block.prev_free_block = block.next_free_block = None
-                self.num_free_blocks -= 1
-                block_id = block.block_id
-                if tracked[block_id]:
-                    tracked[block_id] = 0
-                    if not num_children[block_id]:  # only leaves are candidates
-                        discard(block_id)
-            block.ref_cnt += 1
-            if block.block_hash is not None:
-                hits[block.block_id] += 1
+        unlinked, bad = speedups.free_list_touch(
+            blocks, self._tracked, self._num_children, self._table.hits, self._rank.discard
+        )
+        self.num_free_blocks -= unlinked
+        if bad >= 0:
+            super().remove(blocks[bad])  # vLLM's own error
 
     def on_hashes_changed(self, block: KVCacheBlock) -> None:
         """``block`` lost or changed its hashes outside ``get_new_blocks`` and

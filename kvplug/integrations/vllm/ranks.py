@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 from kvplug_hookspecs import CandidateStats, EvictionPolicy, FeedbackEvictionPolicy
 
+from ... import speedups
 from ...policies.arc import ARCPolicy
 from ...policies.builtin import LFUPolicy, LRUPolicy, PriorityPolicy, SLRUPolicy
 from ...policies.s3fifo import S3FIFOPolicy
@@ -39,6 +40,7 @@ __all__ = [
     "KeyedRank",
     "PolicyRank",
     "S3FIFORank",
+    "keyed_rank",
     "rank_for",
 ]
 
@@ -187,6 +189,20 @@ class _IntHeap:
         return isinstance(block_id, int) and self._entry[block_id] >= 0
 
 
+def _heap(num_blocks: int) -> _IntHeap:
+    """Block ids by an integer key (``push``/``remove``/``pop``/``peek``/``len``): the compiled
+    ``BlockHeap`` while the compiled kernels are in use, else :class:`_IntHeap` (the reference:
+    the same order, ties broken by block id)."""
+    native = speedups.block_heap_type()
+    return _IntHeap(num_blocks) if native is None else cast(_IntHeap, native(num_blocks))
+
+
+_KEYED_CLASSES = {
+    "lru": (0, 1),
+    "lfu": (1 << 62, 1),
+}  # (cap, div) of the class min(hits, cap) // div
+
+
 class KeyedRank(_IntHeap, BlockRank):
     """A sort-key policy whose key is ``(class, last_access_time)``: ``lru`` (class 0), ``lfu``
     (the hit count), ``slru`` (protected or not), ``priority`` (vLLM blocks have priority 0).
@@ -203,8 +219,7 @@ class KeyedRank(_IntHeap, BlockRank):
         super().__init__(len(table.last))
         self._last, self._hits = table.last, table.hits
         self.kind = kind
-        caps = {"lru": (0, 1), "lfu": (1 << 62, 1), "slru": (protected_hits, protected_hits)}
-        self._cap, self._div = caps[kind]
+        self._cap, self._div = _keyed_class(kind, protected_hits)
 
     def add(self, block_id: int) -> None:
         hits, cap = self._hits[block_id], self._cap
@@ -250,7 +265,7 @@ class S3FIFORank(BlockRank):
     ) -> None:
         n = len(table.last)
         self._table = table
-        self._small, self._main = _IntHeap(n), _IntHeap(n)
+        self._small, self._main = _heap(n), _heap(n)
         self._small_tokens = self._main_tokens = 0
         self._stamp = [-1] * n  # the content (``created``) the state below describes
         self._queue = [0] * n
@@ -312,9 +327,9 @@ class S3FIFORank(BlockRank):
         small, main, freq = self._small, self._main, self._freq
         tokens = self._table.tokens
         while True:
-            if small._live and (
+            if len(small) and (
                 self._small_tokens > self._fraction * (self._small_tokens + self._main_tokens)
-                or not main._live
+                or not len(main)
             ):
                 block_id = small.peek()
                 if freq[block_id] > 0:  # reused while in S: promote to M
@@ -353,7 +368,7 @@ class S3FIFORank(BlockRank):
         return "small" if self._queue[block_id] == self._S else "main"
 
     def __len__(self) -> int:
-        return self._small._live + self._main._live
+        return len(self._small) + len(self._main)
 
     def __contains__(self, block_id: object) -> bool:
         return block_id in self._small or block_id in self._main
@@ -371,7 +386,7 @@ class ARCRank(BlockRank):
     ) -> None:
         n = len(table.last)
         self._table = table
-        self._t1, self._t2 = _IntHeap(n), _IntHeap(n)
+        self._t1, self._t2 = _heap(n), _heap(n)
         self._t1_tokens = self._t2_tokens = 0
         self._stamp = [-1] * n
         self._in_t2 = bytearray(n)
@@ -430,7 +445,7 @@ class ARCRank(BlockRank):
 
     def _side(self) -> _IntHeap:
         t1 = self._t1
-        return t1 if t1._live and (self._t1_tokens > self.p or not self._t2._live) else self._t2
+        return t1 if len(t1) and (self._t1_tokens > self.p or not len(self._t2)) else self._t2
 
     def pop(self) -> int:
         side = self._side()
@@ -461,7 +476,7 @@ class ARCRank(BlockRank):
         return self._t1_tokens
 
     def __len__(self) -> int:
-        return self._t1._live + self._t2._live
+        return len(self._t1) + len(self._t2)
 
     def __contains__(self, block_id: object) -> bool:
         return block_id in self._t1 or block_id in self._t2
@@ -540,17 +555,32 @@ class PolicyRank(BlockRank):
         return stats is not None and stats in self.policy
 
 
+def _keyed_class(kind: str, protected_hits: int) -> tuple[int, int]:
+    return (protected_hits, protected_hits) if kind == "slru" else _KEYED_CLASSES[kind]
+
+
+def keyed_rank(table: BlockTable, kind: str, protected_hits: int = 1) -> BlockRank:
+    """A :class:`KeyedRank`, or the compiled ``BlockHeap`` keyed the same way (from the same
+    lists) while the compiled kernels are in use."""
+    native = speedups.block_heap_type()
+    if native is None:
+        return KeyedRank(table, kind, protected_hits)
+    cap, div = _keyed_class(kind, protected_hits)
+    rank: BlockRank = native(len(table.last), table.last, table.hits, cap, div)
+    return rank
+
+
 def rank_for(policy: EvictionPolicy, table: BlockTable) -> BlockRank | None:
     """The rank that orders blocks exactly as ``policy`` does, or ``None`` (exact classes only:
     a subclass may change the key or the feedback)."""
     kind = type(policy)
     if kind is LRUPolicy or kind is PriorityPolicy:
-        return KeyedRank(table, "lru")
+        return keyed_rank(table, "lru")
     if kind is LFUPolicy:
-        return KeyedRank(table, "lfu")
+        return keyed_rank(table, "lfu")
     options: Any = getattr(policy, "options", None)
     if kind is SLRUPolicy:
-        return KeyedRank(table, "slru", options.protected_hits)
+        return keyed_rank(table, "slru", options.protected_hits)
     if kind is S3FIFOPolicy:
         return S3FIFORank(table, options.small_fraction, options.max_freq, options.ghost_entries)
     if kind is ARCPolicy:

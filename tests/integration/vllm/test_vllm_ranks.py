@@ -4,7 +4,8 @@ The rank reads per-block lists; the policy gets one candidate object per cached 
 see the same life of every block, as the vLLM queue drives them: cached (new content, or content
 evicted earlier computed again, in any block: the ghosts' case), hit while in use, freed (its
 recency), offered or withdrawn as a candidate, taken back by a request, or evicted by ``pop``.
-Needs no vLLM.
+Needs no vLLM. Each machine runs twice: on the compiled heaps (``kvplug._speedups.BlockHeap``,
+where it was built) and on the Python reference heaps.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvplug import get_registry
+from kvplug import get_registry, speedups
 from kvplug.integrations.vllm.ranks import (
     ARCRank,
     BlockStats,
@@ -51,7 +52,14 @@ def new_policy(name: str, **options: Any) -> Any:
     ],
 )
 def test_rank_for_builtin_policies(name: str, kind: type) -> None:
-    assert type(rank_for(new_policy(name), BlockTable(4))) is kind
+    was = speedups.native_enabled()
+    try:
+        speedups.use_native(False)  # the reference
+        assert type(rank_for(new_policy(name), BlockTable(4))) is kind
+        if speedups.use_native(True) and kind is KeyedRank:  # the compiled heap, keyed alike
+            assert type(rank_for(new_policy(name), BlockTable(4))) is speedups.block_heap_type()
+    finally:
+        speedups.use_native(was)
 
 
 def test_no_rank_for_subclasses_and_other_policies() -> None:
@@ -88,12 +96,18 @@ class RankAgainstPolicy(RuleBasedStateMachine):
 
     name = "lru"
     options: ClassVar[dict[str, Any]] = {}
+    native = True  # the compiled heaps (where built), else the Python reference
 
     @initialize()
     def start(self) -> None:
         name = self.name
         self.table = BlockTable(N)
-        self.rank = rank_for(new_policy(name, **self.options), self.table)
+        was = speedups.native_enabled()
+        speedups.use_native(self.native)  # the rank's heaps are chosen when it is made
+        try:
+            self.rank = rank_for(new_policy(name, **self.options), self.table)
+        finally:
+            speedups.use_native(was)
         self.reference = _FreshPolicyRank(
             BlockTable(N), new_policy(name, **self.options), [None] * N
         )
@@ -227,8 +241,12 @@ class _FreshPolicyRank(PolicyRank):
         return stats
 
 
-def _machine(name: str, **options: Any) -> Any:
-    machine = type(f"RankAgainst_{name}", (RankAgainstPolicy,), {"name": name, "options": options})
+def _machine(name: str, native: bool = True, **options: Any) -> Any:
+    machine = type(
+        f"RankAgainst_{name}{'' if native else '_python'}",
+        (RankAgainstPolicy,),
+        {"name": name, "options": options, "native": native},
+    )
     test = machine.TestCase
     test.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
     return test
@@ -244,3 +262,10 @@ TestARCRank = _machine("arc")
 TestS3FIFORankFewGhosts = _machine("s3fifo", ghost_entries=2)
 TestARCRankFewGhosts = _machine("arc", ghost_entries=2)
 TestARCRankNoGhosts = _machine("arc", ghost_entries=0, initial_recency_fraction=0.25)
+# the same on the Python reference heaps
+TestLRURankPython = _machine("lru", native=False)
+TestLFURankPython = _machine("lfu", native=False)
+TestSLRURankPython = _machine("slru", native=False)
+TestS3FIFORankPython = _machine("s3fifo", native=False)
+TestARCRankPython = _machine("arc", native=False)
+TestARCRankFewGhostsPython = _machine("arc", native=False, ghost_entries=2)

@@ -1250,231 +1250,26 @@ fail:
     return NULL;
 }
 
-/* -- BlockHeap: block ids by key, smallest first ------------------------------------------------
- * An indexed binary heap over block ids 0..n-1 (each at most once), ordered by (major, minor,
- * block id). push(id, key) sets a key (major 0); add(id) computes the key of a sort-key
- * policy from the per-block lists given at construction: (min(hits[id], cap) // div, last[id]),
- * what kvplug.integrations.vllm.ranks.KeyedRank (the reference) orders by.
+/* -- block ranks: the vLLM queue's candidate orders --------------------------------------------
+ * Compiled versions of kvplug.integrations.vllm.ranks (the reference; its tests drive both
+ * against the policies): BlockHeap (block ids by key; keyed from the per-block lists, it is
+ * KeyedRank), S3FIFORank and ARCRank. They read the queue's per-block lists (BlockTable) and
+ * make the same choices, float arithmetic included, as the Python classes.
  */
 
+/* An indexed binary heap over block ids 0..n-1 (each at most once), ordered by (major, minor,
+ * block id): the Python heaps' order (key, then id). */
 typedef struct {
-    PyObject_HEAD
     Py_ssize_t n, size;
-    int32_t *heap;  /* heap[0..size) */
+    int32_t *heap;   /* heap[0..size) */
     Py_ssize_t *pos; /* pos[id]: index in heap, -1 if absent */
     int64_t *major, *minor;
-    PyObject *last, *hits; /* lists of n ints, or NULL (push only) */
-    long long cap, div;
-} BlockHeap;
+} Heap;
 
-static inline int bh_less(const BlockHeap *h, int32_t a, int32_t b) {
-    if (h->major[a] != h->major[b]) return h->major[a] < h->major[b];
-    if (h->minor[a] != h->minor[b]) return h->minor[a] < h->minor[b];
-    return a < b;
-}
-
-static void bh_up(BlockHeap *h, Py_ssize_t i) {
-    int32_t id = h->heap[i];
-    while (i > 0) {
-        Py_ssize_t parent = (i - 1) / 2;
-        int32_t p = h->heap[parent];
-        if (!bh_less(h, id, p)) break;
-        h->heap[i] = p;
-        h->pos[p] = i;
-        i = parent;
-    }
-    h->heap[i] = id;
-    h->pos[id] = i;
-}
-
-static void bh_down(BlockHeap *h, Py_ssize_t i) {
-    int32_t id = h->heap[i];
-    for (;;) {
-        Py_ssize_t child = 2 * i + 1;
-        if (child >= h->size) break;
-        if (child + 1 < h->size && bh_less(h, h->heap[child + 1], h->heap[child])) child++;
-        int32_t c = h->heap[child];
-        if (!bh_less(h, c, id)) break;
-        h->heap[i] = c;
-        h->pos[c] = i;
-        i = child;
-    }
-    h->heap[i] = id;
-    h->pos[id] = i;
-}
-
-static void bh_set(BlockHeap *h, int32_t id, int64_t major, int64_t minor) {
-    Py_ssize_t i = h->pos[id];
-    h->major[id] = major;
-    h->minor[id] = minor;
-    if (i < 0) {
-        i = h->size++;
-        h->heap[i] = id;
-        h->pos[id] = i;
-        bh_up(h, i);
-    } else {
-        bh_up(h, i);
-        bh_down(h, h->pos[id]);
-    }
-}
-
-static int bh_remove(BlockHeap *h, int32_t id) {
-    Py_ssize_t i = h->pos[id];
-    if (i < 0) return 0;
-    h->pos[id] = -1;
-    int32_t moved = h->heap[--h->size];
-    if (i < h->size) {
-        h->heap[i] = moved;
-        h->pos[moved] = i;
-        bh_up(h, i);
-        bh_down(h, h->pos[moved]);
-    }
-    return 1;
-}
-
-static int bh_id(BlockHeap *h, PyObject *arg, int32_t *out) {
-    Py_ssize_t id = PyLong_AsSsize_t(arg);
-    if (id == -1 && PyErr_Occurred()) return -1;
-    if (id < 0 || id >= h->n) {
-        PyErr_Format(PyExc_IndexError, "BlockHeap: block id %zd outside 0..%zd", id, h->n - 1);
-        return -1;
-    }
-    *out = (int32_t)id;
-    return 0;
-}
-
-/* The sort key of a keyed heap's block (from the lists). */
-static int bh_keyed(BlockHeap *h, int32_t id, int64_t *major, int64_t *minor) {
-    if (h->last == NULL) {
-        PyErr_SetString(PyExc_TypeError, "BlockHeap: add() needs the per-block lists");
-        return -1;
-    }
-    long long hits, last;
-    if (item_long(h->hits, id, &hits) < 0 || item_long(h->last, id, &last) < 0) return -1;
-    *major = (hits < h->cap ? hits : h->cap) / h->div;
-    *minor = last;
-    return 0;
-}
-
-static PyObject *bh_add(BlockHeap *h, PyObject *arg) {
-    int32_t id;
-    int64_t major, minor;
-    if (bh_id(h, arg, &id) < 0 || bh_keyed(h, id, &major, &minor) < 0) return NULL;
-    bh_set(h, id, major, minor);
-    Py_RETURN_NONE;
-}
-
-static PyObject *bh_push(BlockHeap *h, PyObject *const *args, Py_ssize_t nargs) {
-    int32_t id;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "BlockHeap.push takes (block_id, key)");
-        return NULL;
-    }
-    if (bh_id(h, args[0], &id) < 0) return NULL;
-    long long key = PyLong_AsLongLong(args[1]);
-    if (key == -1 && PyErr_Occurred()) return NULL;
-    bh_set(h, id, 0, key);
-    Py_RETURN_NONE;
-}
-
-static PyObject *bh_discard(BlockHeap *h, PyObject *arg) {
-    int32_t id;
-    if (bh_id(h, arg, &id) < 0) return NULL;
-    bh_remove(h, id);
-    Py_RETURN_NONE;
-}
-
-static PyObject *bh_remove_m(BlockHeap *h, PyObject *arg) {
-    int32_t id;
-    if (bh_id(h, arg, &id) < 0) return NULL;
-    return PyBool_FromLong(bh_remove(h, id));
-}
-
-static PyObject *bh_pop(BlockHeap *h, PyObject *Py_UNUSED(ignored)) {
-    if (!h->size) return PyLong_FromLong(-1);
-    int32_t id = h->heap[0];
-    bh_remove(h, id);
-    return PyLong_FromLong(id);
-}
-
-static PyObject *bh_peek(BlockHeap *h, PyObject *Py_UNUSED(ignored)) {
-    return PyLong_FromLong(h->size ? h->heap[0] : -1);
-}
-
-static PyObject *bh_pushpop(BlockHeap *h, PyObject *arg) {
-    int32_t id;
-    int64_t major, minor;
-    if (bh_id(h, arg, &id) < 0 || bh_keyed(h, id, &major, &minor) < 0) return NULL;
-    if (h->pos[id] < 0) {
-        int32_t top = h->size ? h->heap[0] : -1;
-        if (top < 0 || major < h->major[top] ||
-            (major == h->major[top] && (minor < h->minor[top] ||
-                                        (minor == h->minor[top] && id < top))))
-            return PyLong_FromLong(id); /* the next victim anyway: the heap is untouched */
-    }
-    bh_set(h, id, major, minor);
-    return bh_pop(h, NULL);
-}
-
-static Py_ssize_t bh_len(BlockHeap *h) { return h->size; }
-
-static int bh_contains(BlockHeap *h, PyObject *arg) {
-    if (!PyLong_Check(arg)) return 0;
-    Py_ssize_t id = PyLong_AsSsize_t(arg);
-    if (id == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return id >= 0 && id < h->n && h->pos[id] >= 0;
-}
-
-static void bh_dealloc(BlockHeap *h) {
-    PyObject_GC_UnTrack(h);
-    Py_CLEAR(h->last);
-    Py_CLEAR(h->hits);
-    PyMem_Free(h->heap);
-    PyMem_Free(h->pos);
-    PyMem_Free(h->major);
-    PyMem_Free(h->minor);
-    Py_TYPE(h)->tp_free((PyObject *)h);
-}
-
-static int bh_traverse(BlockHeap *h, visitproc visit, void *arg) {
-    Py_VISIT(h->last);
-    Py_VISIT(h->hits);
-    return 0;
-}
-
-static int bh_clear(BlockHeap *h) {
-    Py_CLEAR(h->last);
-    Py_CLEAR(h->hits);
-    return 0;
-}
-
-static int bh_init(BlockHeap *h, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"num_blocks", "last", "hits", "cap", "div", NULL};
-    Py_ssize_t n;
-    PyObject *last = Py_None, *hits = Py_None;
-    long long cap = 0, div = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|OOLL", kwlist, &n, &last, &hits, &cap,
-                                     &div))
-        return -1;
-    if (n < 0 || n > INT32_MAX || div < 1 || cap < 0) {
-        PyErr_SetString(PyExc_ValueError, "BlockHeap: bad num_blocks, cap or div");
-        return -1;
-    }
-    if ((last == Py_None) != (hits == Py_None) ||
-        (last != Py_None && (!PyList_Check(last) || !PyList_Check(hits) ||
-                             PyList_GET_SIZE(last) != n || PyList_GET_SIZE(hits) != n))) {
-        PyErr_SetString(PyExc_ValueError,
-                        "BlockHeap: last and hits are both lists of num_blocks ints, or neither");
-        return -1;
-    }
-    if (h->heap != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "BlockHeap: already initialised");
-        return -1;
-    }
+static int heap_init(Heap *h, Py_ssize_t n) {
     Py_ssize_t m = n ? n : 1;
+    h->n = n;
+    h->size = 0;
     h->heap = PyMem_Malloc(m * sizeof(int32_t));
     h->pos = PyMem_Malloc(m * sizeof(Py_ssize_t));
     h->major = PyMem_Calloc(m, sizeof(int64_t));
@@ -1484,22 +1279,401 @@ static int bh_init(BlockHeap *h, PyObject *args, PyObject *kwds) {
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) h->pos[i] = -1;
-    h->n = n;
-    h->size = 0;
-    h->cap = cap;
-    h->div = div;
-    if (last != Py_None) {
-        h->last = Py_NewRef(last);
-        h->hits = Py_NewRef(hits);
+    return 0;
+}
+
+static void heap_free(Heap *h) {
+    PyMem_Free(h->heap);
+    PyMem_Free(h->pos);
+    PyMem_Free(h->major);
+    PyMem_Free(h->minor);
+    h->heap = NULL;
+    h->pos = NULL;
+    h->major = h->minor = NULL;
+}
+
+static inline int heap_less(const Heap *h, int32_t a, int32_t b) {
+    if (h->major[a] != h->major[b]) return h->major[a] < h->major[b];
+    if (h->minor[a] != h->minor[b]) return h->minor[a] < h->minor[b];
+    return a < b;
+}
+
+static void heap_up(Heap *h, Py_ssize_t i) {
+    int32_t id = h->heap[i];
+    while (i > 0) {
+        Py_ssize_t parent = (i - 1) / 2;
+        int32_t p = h->heap[parent];
+        if (!heap_less(h, id, p)) break;
+        h->heap[i] = p;
+        h->pos[p] = i;
+        i = parent;
+    }
+    h->heap[i] = id;
+    h->pos[id] = i;
+}
+
+static void heap_down(Heap *h, Py_ssize_t i) {
+    int32_t id = h->heap[i];
+    for (;;) {
+        Py_ssize_t child = 2 * i + 1;
+        if (child >= h->size) break;
+        if (child + 1 < h->size && heap_less(h, h->heap[child + 1], h->heap[child])) child++;
+        int32_t c = h->heap[child];
+        if (!heap_less(h, c, id)) break;
+        h->heap[i] = c;
+        h->pos[c] = i;
+        i = child;
+    }
+    h->heap[i] = id;
+    h->pos[id] = i;
+}
+
+/* Set a block's key (insert it, or re-key it where it is). */
+static void heap_set(Heap *h, int32_t id, int64_t major, int64_t minor) {
+    Py_ssize_t i = h->pos[id];
+    h->major[id] = major;
+    h->minor[id] = minor;
+    if (i < 0) {
+        i = h->size++;
+        h->heap[i] = id;
+        h->pos[id] = i;
+        heap_up(h, i);
+    } else {
+        heap_up(h, i);
+        heap_down(h, h->pos[id]);
+    }
+}
+
+static int heap_remove(Heap *h, int32_t id) {
+    Py_ssize_t i = h->pos[id];
+    if (i < 0) return 0;
+    h->pos[id] = -1;
+    int32_t moved = h->heap[--h->size];
+    if (i < h->size) {
+        h->heap[i] = moved;
+        h->pos[moved] = i;
+        heap_up(h, i);
+        heap_down(h, h->pos[moved]);
+    }
+    return 1;
+}
+
+static inline int32_t heap_peek(const Heap *h) { return h->size ? h->heap[0] : -1; }
+
+static int32_t heap_pop(Heap *h) {
+    int32_t id = heap_peek(h);
+    if (id >= 0) heap_remove(h, id);
+    return id;
+}
+
+static int rank_id(Py_ssize_t n, PyObject *arg, int32_t *out) {
+    Py_ssize_t id = PyLong_AsSsize_t(arg);
+    if (id == -1 && PyErr_Occurred()) return -1;
+    if (id < 0 || id >= n) {
+        PyErr_Format(PyExc_IndexError, "block rank: block id %zd outside 0..%zd", id, n - 1);
+        return -1;
+    }
+    *out = (int32_t)id;
+    return 0;
+}
+
+static int rank_contains_id(const Heap *a, const Heap *b, PyObject *arg) {
+    if (!PyLong_Check(arg)) return 0;
+    Py_ssize_t id = PyLong_AsSsize_t(arg);
+    if (id == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (id < 0 || id >= a->n) return 0;
+    return a->pos[id] >= 0 || (b != NULL && b->pos[id] >= 0);
+}
+
+/* Per-block lists of n items each (the queue's BlockTable), checked once. */
+static int take_lists(PyObject **lists, PyObject **dest, int count, Py_ssize_t *n) {
+    *n = -1;
+    for (int i = 0; i < count; i++) {
+        if (!PyList_Check(lists[i]) || (*n >= 0 && PyList_GET_SIZE(lists[i]) != *n)) {
+            PyErr_SetString(PyExc_ValueError, "block rank: the per-block state must be lists of "
+                                              "one item per block");
+            return -1;
+        }
+        *n = PyList_GET_SIZE(lists[i]);
+    }
+    if (*n > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "block rank: too many blocks");
+        return -1;
+    }
+    for (int i = 0; i < count; i++) dest[i] = Py_NewRef(lists[i]);
+    return 0;
+}
+
+/* Ghosts: evicted contents (block hashes), oldest first, at most `capacity`, each with a tag
+ * (0/1): an OrderedDict's pop / set-as-newest / forget-the-oldest. `map` holds content ->
+ * seq << 1 | tag; `ring` the contents in insertion order with their seq (an entry whose seq is
+ * not the map's is stale and skipped). */
+typedef struct {
+    PyObject *map;
+    PyObject **keys;
+    int64_t *seqs;
+    Py_ssize_t head, len, alloc;
+    int64_t seq;
+    Py_ssize_t capacity;
+} Ghosts;
+
+static int ghosts_init(Ghosts *g, Py_ssize_t capacity) {
+    memset(g, 0, sizeof(*g));
+    g->capacity = capacity;
+    g->map = PyDict_New();
+    return g->map ? 0 : -1;
+}
+
+static void ghosts_clear(Ghosts *g) {
+    for (Py_ssize_t i = g->head; i < g->len; i++) Py_CLEAR(g->keys[i]);
+    g->head = g->len = 0;
+    Py_CLEAR(g->map);
+}
+
+static void ghosts_free(Ghosts *g) {
+    ghosts_clear(g);
+    PyMem_Free(g->keys);
+    PyMem_Free(g->seqs);
+    g->keys = NULL;
+    g->seqs = NULL;
+    g->alloc = 0;
+}
+
+static int ghosts_traverse(Ghosts *g, visitproc visit, void *arg) {
+    Py_VISIT(g->map);
+    for (Py_ssize_t i = g->head; i < g->len; i++) Py_VISIT(g->keys[i]);
+    return 0;
+}
+
+/* The map's seq of `key`, -1 if absent, -2 on error. */
+static int64_t ghosts_seq(Ghosts *g, PyObject *key) {
+    PyObject *v = PyDict_GetItemWithError(g->map, key);
+    if (v == NULL) return PyErr_Occurred() ? -2 : -1;
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) return -2;
+    return (int64_t)x;
+}
+
+/* Remove `key`: its tag (0/1), -1 if it was not a ghost, -2 on error. */
+static int ghosts_pop(Ghosts *g, PyObject *key) {
+    if (PyDict_GET_SIZE(g->map) == 0) return -1;
+    int64_t x = ghosts_seq(g, key);
+    if (x < 0) return (int)x;
+    if (PyDict_DelItem(g->map, key) < 0) return -2;
+    return (int)(x & 1);
+}
+
+/* Keep only the live ring entries, in order (when stale ones dominate or the head moved far). */
+static int ghosts_compact(Ghosts *g) {
+    Py_ssize_t out = 0;
+    for (Py_ssize_t i = g->head; i < g->len; i++) {
+        PyObject *k = g->keys[i];
+        int64_t x = ghosts_seq(g, k);
+        if (x == -2) return -1;
+        if (x >= 0 && (x >> 1) == g->seqs[i]) {
+            g->keys[out] = k;
+            g->seqs[out++] = g->seqs[i];
+        } else {
+            Py_DECREF(k);
+        }
+    }
+    g->head = 0;
+    g->len = out;
+    return 0;
+}
+
+/* `key` becomes the newest ghost with `tag`; the oldest is forgotten beyond capacity. */
+static int ghosts_leave(Ghosts *g, PyObject *key, int tag) {
+    if (key == Py_None) return 0;
+    if (g->len - g->head > 2 * PyDict_GET_SIZE(g->map) + 64 || g->head > g->alloc / 2) {
+        if (ghosts_compact(g) < 0) return -1;
+    }
+    if (g->len == g->alloc) {
+        Py_ssize_t alloc = g->alloc ? 2 * g->alloc : 64;
+        PyObject **keys = PyMem_Realloc(g->keys, alloc * sizeof(PyObject *));
+        if (keys == NULL) return PyErr_NoMemory(), -1;
+        g->keys = keys;
+        int64_t *seqs = PyMem_Realloc(g->seqs, alloc * sizeof(int64_t));
+        if (seqs == NULL) return PyErr_NoMemory(), -1;
+        g->seqs = seqs;
+        g->alloc = alloc;
+    }
+    int64_t seq = ++g->seq;
+    PyObject *v = PyLong_FromLongLong((long long)(seq << 1 | (tag ? 1 : 0)));
+    if (v == NULL) return -1;
+    int rc = PyDict_Contains(g->map, key); /* set-as-newest: an old entry goes first */
+    if (rc > 0) rc = PyDict_DelItem(g->map, key);
+    if (rc < 0) {
+        Py_DECREF(v);
+        return -1;
+    }
+    rc = PyDict_SetItem(g->map, key, v);
+    Py_DECREF(v);
+    if (rc < 0) return -1;
+    g->keys[g->len] = Py_NewRef(key);
+    g->seqs[g->len++] = seq;
+    while (PyDict_GET_SIZE(g->map) > g->capacity && g->head < g->len) { /* the oldest goes */
+        PyObject *k = g->keys[g->head];
+        int64_t s = g->seqs[g->head++];
+        int64_t x = ghosts_seq(g, k);
+        if (x == -2) {
+            Py_DECREF(k);
+            return -1;
+        }
+        if (x >= 0 && (x >> 1) == s && PyDict_DelItem(g->map, k) < 0) {
+            Py_DECREF(k);
+            return -1;
+        }
+        Py_DECREF(k);
     }
     return 0;
+}
+
+/* -- BlockHeap: block ids by key (KeyedRank keyed from the lists; push(id, key) otherwise) -- */
+
+typedef struct {
+    PyObject_HEAD
+    Heap h;
+    PyObject *last, *hits; /* lists of n ints, or NULL (push only) */
+    long long cap, div;
+} BlockHeap;
+
+/* The sort key of a keyed heap's block: (min(hits, cap) // div, last). */
+static int bh_keyed(BlockHeap *self, int32_t id, int64_t *major, int64_t *minor) {
+    if (self->last == NULL) {
+        PyErr_SetString(PyExc_TypeError, "BlockHeap: add() needs the per-block lists");
+        return -1;
+    }
+    long long hits, last;
+    if (item_long(self->hits, id, &hits) < 0 || item_long(self->last, id, &last) < 0) return -1;
+    *major = (hits < self->cap ? hits : self->cap) / self->div;
+    *minor = last;
+    return 0;
+}
+
+static PyObject *bh_add(BlockHeap *self, PyObject *arg) {
+    int32_t id;
+    int64_t major, minor;
+    if (rank_id(self->h.n, arg, &id) < 0 || bh_keyed(self, id, &major, &minor) < 0) return NULL;
+    heap_set(&self->h, id, major, minor);
+    Py_RETURN_NONE;
+}
+
+static PyObject *bh_push(BlockHeap *self, PyObject *const *args, Py_ssize_t nargs) {
+    int32_t id;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "BlockHeap.push takes (block_id, key)");
+        return NULL;
+    }
+    if (rank_id(self->h.n, args[0], &id) < 0) return NULL;
+    long long key = PyLong_AsLongLong(args[1]);
+    if (key == -1 && PyErr_Occurred()) return NULL;
+    heap_set(&self->h, id, 0, key);
+    Py_RETURN_NONE;
+}
+
+static PyObject *bh_discard(BlockHeap *self, PyObject *arg) {
+    int32_t id;
+    if (rank_id(self->h.n, arg, &id) < 0) return NULL;
+    heap_remove(&self->h, id);
+    Py_RETURN_NONE;
+}
+
+static PyObject *bh_remove(BlockHeap *self, PyObject *arg) {
+    int32_t id;
+    if (rank_id(self->h.n, arg, &id) < 0) return NULL;
+    return PyBool_FromLong(heap_remove(&self->h, id));
+}
+
+static PyObject *bh_pop(BlockHeap *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(heap_pop(&self->h));
+}
+
+static PyObject *bh_peek(BlockHeap *self, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(heap_peek(&self->h));
+}
+
+static PyObject *bh_pushpop(BlockHeap *self, PyObject *arg) {
+    int32_t id;
+    int64_t major, minor;
+    Heap *h = &self->h;
+    if (rank_id(h->n, arg, &id) < 0 || bh_keyed(self, id, &major, &minor) < 0) return NULL;
+    if (h->pos[id] < 0) {
+        int32_t top = heap_peek(h);
+        if (top < 0 || major < h->major[top] ||
+            (major == h->major[top] &&
+             (minor < h->minor[top] || (minor == h->minor[top] && id < top))))
+            return PyLong_FromLong(id); /* the next victim anyway: the heap is untouched */
+    }
+    heap_set(h, id, major, minor);
+    return PyLong_FromLong(heap_pop(h));
+}
+
+static Py_ssize_t bh_len(BlockHeap *self) { return self->h.size; }
+
+static int bh_contains(BlockHeap *self, PyObject *arg) {
+    return rank_contains_id(&self->h, NULL, arg);
+}
+
+static int bh_traverse(BlockHeap *self, visitproc visit, void *arg) {
+    Py_VISIT(self->last);
+    Py_VISIT(self->hits);
+    return 0;
+}
+
+static int bh_clear(BlockHeap *self) {
+    Py_CLEAR(self->last);
+    Py_CLEAR(self->hits);
+    return 0;
+}
+
+static void bh_dealloc(BlockHeap *self) {
+    PyObject_GC_UnTrack(self);
+    bh_clear(self);
+    heap_free(&self->h);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int bh_init(BlockHeap *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"num_blocks", "last", "hits", "cap", "div", NULL};
+    Py_ssize_t n;
+    PyObject *last = Py_None, *hits = Py_None;
+    long long cap = 0, div = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|OOLL", kwlist, &n, &last, &hits, &cap,
+                                     &div))
+        return -1;
+    if (self->h.heap != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "BlockHeap: already initialised");
+        return -1;
+    }
+    if (n < 0 || n > INT32_MAX || div < 1 || cap < 0) {
+        PyErr_SetString(PyExc_ValueError, "BlockHeap: bad num_blocks, cap or div");
+        return -1;
+    }
+    if (last != Py_None || hits != Py_None) {
+        PyObject *lists[2] = {last, hits}, *dest[2];
+        Py_ssize_t m;
+        if (take_lists(lists, dest, 2, &m) < 0) return -1;
+        self->last = dest[0];
+        self->hits = dest[1];
+        if (m != n) {
+            PyErr_SetString(PyExc_ValueError, "BlockHeap: last and hits have num_blocks items");
+            return -1;
+        }
+    }
+    self->cap = cap;
+    self->div = div;
+    return heap_init(&self->h, n);
 }
 
 static PyMethodDef bh_methods[] = {
     {"add", (PyCFunction)bh_add, METH_O, "The block becomes a candidate (keyed from the lists)."},
     {"push", (PyCFunction)(void (*)(void))bh_push, METH_FASTCALL, "Set a block's key."},
     {"discard", (PyCFunction)bh_discard, METH_O, "The block leaves (no-op if absent)."},
-    {"remove", (PyCFunction)bh_remove_m, METH_O, "The block leaves; whether it was there."},
+    {"remove", (PyCFunction)bh_remove, METH_O, "The block leaves; whether it was there."},
     {"pop", (PyCFunction)bh_pop, METH_NOARGS, "Remove and return the smallest, -1 if none."},
     {"peek", (PyCFunction)bh_peek, METH_NOARGS, "The smallest, -1 if none."},
     {"pushpop", (PyCFunction)bh_pushpop, METH_O, "add(block_id) then pop()."},
@@ -1514,7 +1688,7 @@ static PySequenceMethods bh_sequence = {
 static PyTypeObject BlockHeapType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvplug._speedups.BlockHeap",
     .tp_basicsize = sizeof(BlockHeap),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Block ids by key, smallest first (see kvplug.integrations.vllm.ranks).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)bh_init,
@@ -1523,6 +1697,484 @@ static PyTypeObject BlockHeapType = {
     .tp_clear = (inquiry)bh_clear,
     .tp_methods = bh_methods,
     .tp_as_sequence = &bh_sequence,
+};
+
+
+/* -- S3FIFORank: the small and main FIFOs of s3fifo over block ids -------------------------- */
+
+enum { T_HITS, T_CREATED, T_CONTENT, T_TOKENS, T_LAST, T_COUNT };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *table[T_COUNT]; /* the BlockTable's lists (hits, created, content, tokens, last) */
+    Py_ssize_t n;
+    Heap small, main;
+    long long small_tokens, main_tokens, clock;
+    int64_t *stamp, *position, *seen_hits;
+    int32_t *freq;
+    char *in_main;
+    double fraction;
+    long long max_freq;
+    Ghosts ghosts;
+} S3FIFORank;
+
+static int table_traverse(PyObject **table, visitproc visit, void *arg) {
+    for (int i = 0; i < T_COUNT; i++) Py_VISIT(table[i]);
+    return 0;
+}
+
+static void table_clear(PyObject **table) {
+    for (int i = 0; i < T_COUNT; i++) Py_CLEAR(table[i]);
+}
+
+static int table_take(PyObject **table, PyObject *hits, PyObject *created, PyObject *content,
+                      PyObject *tokens, PyObject *last, Py_ssize_t *n) {
+    if (table[0] != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "block rank: already initialised");
+        return -1;
+    }
+    PyObject *lists[T_COUNT] = {hits, created, content, tokens, last};
+    return take_lists(lists, table, T_COUNT, n);
+}
+
+static inline long long tget(PyObject **table, int t, int32_t id, int *err) {
+    long long v = PyLong_AsLongLong(PyList_GET_ITEM(table[t], id));
+    if (v == -1 && PyErr_Occurred()) *err = 1;
+    return v;
+}
+
+static void s3_leave(S3FIFORank *r, int32_t id, long long tokens) {
+    if (!r->in_main[id]) {
+        if (heap_remove(&r->small, id)) r->small_tokens -= tokens;
+    } else if (heap_remove(&r->main, id)) {
+        r->main_tokens -= tokens;
+    }
+}
+
+static int s3_add(S3FIFORank *r, int32_t id) {
+    int err = 0;
+    long long hits = tget(r->table, T_HITS, id, &err);
+    long long created = tget(r->table, T_CREATED, id, &err);
+    long long tokens = tget(r->table, T_TOKENS, id, &err);
+    if (err) return -1;
+    if (r->stamp[id] != created) { /* new content: S's tail, M's if it returns */
+        r->stamp[id] = created;
+        r->clock += 1;
+        int to_main = 0;
+        int tag = ghosts_pop(&r->ghosts, PyList_GET_ITEM(r->table[T_CONTENT], id));
+        if (tag == -2) return -1;
+        if (tag >= 0) to_main = 1; /* evicted before: straight to M */
+        r->in_main[id] = (char)to_main;
+        r->position[id] = r->clock;
+        r->freq[id] = 0;
+    } else {
+        if (hits > r->seen_hits[id] && r->freq[id] < r->max_freq) r->freq[id] += 1;
+        s3_leave(r, id, tokens);
+    }
+    r->seen_hits[id] = hits;
+    if (!r->in_main[id]) {
+        heap_set(&r->small, id, 0, r->position[id]);
+        r->small_tokens += tokens;
+    } else {
+        heap_set(&r->main, id, 0, r->position[id]);
+        r->main_tokens += tokens;
+    }
+    return 0;
+}
+
+/* The next victim (removed when `remove`), promoting and re-queueing on the way; -1 if none,
+ * -2 on error. */
+static int32_t s3_victim(S3FIFORank *r, int remove) {
+    for (;;) {
+        int32_t id;
+        int err = 0;
+        if (r->small.size &&
+            ((double)r->small_tokens > r->fraction * (double)(r->small_tokens + r->main_tokens) ||
+             !r->main.size)) {
+            id = heap_peek(&r->small);
+            long long tokens = tget(r->table, T_TOKENS, id, &err);
+            if (err) return -2;
+            if (r->freq[id] > 0) { /* reused while in S: promote to M */
+                heap_remove(&r->small, id);
+                r->small_tokens -= tokens;
+                r->clock += 1;
+                r->in_main[id] = 1;
+                r->position[id] = r->clock;
+                r->freq[id] = 0;
+                heap_set(&r->main, id, 0, r->clock);
+                r->main_tokens += tokens;
+                continue;
+            }
+            if (remove) {
+                heap_remove(&r->small, id);
+                r->small_tokens -= tokens;
+            }
+        } else {
+            id = heap_peek(&r->main);
+            if (id < 0) return -1;
+            long long tokens = tget(r->table, T_TOKENS, id, &err);
+            if (err) return -2;
+            if (r->freq[id] > 0) { /* second chance: back to M's tail */
+                heap_remove(&r->main, id);
+                r->main_tokens -= tokens;
+                r->clock += 1;
+                r->in_main[id] = 1;
+                r->position[id] = r->clock;
+                r->freq[id] -= 1;
+                heap_set(&r->main, id, 0, r->clock);
+                r->main_tokens += tokens;
+                continue;
+            }
+            if (remove) {
+                heap_remove(&r->main, id);
+                r->main_tokens -= tokens;
+            }
+        }
+        if (remove) {
+            r->stamp[id] = -1; /* evicted: its state goes, its ghost stays */
+            if (ghosts_leave(&r->ghosts, PyList_GET_ITEM(r->table[T_CONTENT], id), 0) < 0)
+                return -2;
+        }
+        return id;
+    }
+}
+
+static PyObject *s3_add_m(S3FIFORank *r, PyObject *arg) {
+    int32_t id;
+    if (rank_id(r->n, arg, &id) < 0 || s3_add(r, id) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *s3_discard_m(S3FIFORank *r, PyObject *arg) {
+    int32_t id;
+    int err = 0;
+    if (rank_id(r->n, arg, &id) < 0) return NULL;
+    long long created = tget(r->table, T_CREATED, id, &err);
+    long long tokens = tget(r->table, T_TOKENS, id, &err);
+    if (err) return NULL;
+    if (r->stamp[id] == created) s3_leave(r, id, tokens);
+    Py_RETURN_NONE;
+}
+
+static PyObject *s3_pop_m(S3FIFORank *r, PyObject *Py_UNUSED(ignored)) {
+    int32_t id = s3_victim(r, 1);
+    return id == -2 ? NULL : PyLong_FromLong(id);
+}
+
+static PyObject *s3_peek_m(S3FIFORank *r, PyObject *Py_UNUSED(ignored)) {
+    int32_t id = s3_victim(r, 0);
+    return id == -2 ? NULL : PyLong_FromLong(id);
+}
+
+static PyObject *s3_pushpop_m(S3FIFORank *r, PyObject *arg) {
+    int32_t id;
+    if (rank_id(r->n, arg, &id) < 0 || s3_add(r, id) < 0) return NULL;
+    return s3_pop_m(r, NULL);
+}
+
+static PyObject *s3_queue_of(S3FIFORank *r, PyObject *arg) {
+    int32_t id;
+    if (rank_id(r->n, arg, &id) < 0) return NULL;
+    return PyUnicode_FromString(r->in_main[id] ? "main" : "small");
+}
+
+static Py_ssize_t s3_len(S3FIFORank *r) { return r->small.size + r->main.size; }
+
+static int s3_contains(S3FIFORank *r, PyObject *arg) {
+    return rank_contains_id(&r->small, &r->main, arg);
+}
+
+static int s3_traverse(S3FIFORank *r, visitproc visit, void *arg) {
+    if (table_traverse(r->table, visit, arg)) return -1;
+    return ghosts_traverse(&r->ghosts, visit, arg);
+}
+
+static int s3_clear(S3FIFORank *r) {
+    table_clear(r->table);
+    ghosts_clear(&r->ghosts);
+    return 0;
+}
+
+static void s3_dealloc(S3FIFORank *r) {
+    PyObject_GC_UnTrack(r);
+    table_clear(r->table);
+    ghosts_free(&r->ghosts);
+    heap_free(&r->small);
+    heap_free(&r->main);
+    PyMem_Free(r->stamp);
+    PyMem_Free(r->position);
+    PyMem_Free(r->seen_hits);
+    PyMem_Free(r->freq);
+    PyMem_Free(r->in_main);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static int s3_init(S3FIFORank *r, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"hits",           "created",  "content",       "tokens", "last",
+                             "small_fraction", "max_freq", "ghost_entries", NULL};
+    PyObject *hits, *created, *content, *tokens, *last;
+    double fraction;
+    long long max_freq;
+    Py_ssize_t ghost_entries;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOdLn", kwlist, &hits, &created, &content,
+                                     &tokens, &last, &fraction, &max_freq, &ghost_entries))
+        return -1;
+    if (table_take(r->table, hits, created, content, tokens, last, &r->n) < 0) return -1;
+    Py_ssize_t m = r->n ? r->n : 1;
+    r->stamp = PyMem_Malloc(m * sizeof(int64_t));
+    r->position = PyMem_Calloc(m, sizeof(int64_t));
+    r->seen_hits = PyMem_Calloc(m, sizeof(int64_t));
+    r->freq = PyMem_Calloc(m, sizeof(int32_t));
+    r->in_main = PyMem_Calloc(m, 1);
+    if (!r->stamp || !r->position || !r->seen_hits || !r->freq || !r->in_main) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < r->n; i++) r->stamp[i] = -1;
+    r->fraction = fraction;
+    r->max_freq = max_freq;
+    if (heap_init(&r->small, r->n) < 0 || heap_init(&r->main, r->n) < 0) return -1;
+    return ghosts_init(&r->ghosts, ghost_entries);
+}
+
+static PyMethodDef s3_methods[] = {
+    {"add", (PyCFunction)s3_add_m, METH_O, "The block became a candidate."},
+    {"discard", (PyCFunction)s3_discard_m, METH_O, "The block is no longer a candidate."},
+    {"pop", (PyCFunction)s3_pop_m, METH_NOARGS, "Remove and return the next victim, -1 if none."},
+    {"peek", (PyCFunction)s3_peek_m, METH_NOARGS, "The next victim, -1 if none."},
+    {"pushpop", (PyCFunction)s3_pushpop_m, METH_O, "add(block_id) then pop()."},
+    {"queue_of", (PyCFunction)s3_queue_of, METH_O, "\"small\" or \"main\"."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods s3_sequence = {
+    .sq_length = (lenfunc)s3_len,
+    .sq_contains = (objobjproc)s3_contains,
+};
+
+static PyTypeObject S3FIFORankType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvplug._speedups.S3FIFORank",
+    .tp_basicsize = sizeof(S3FIFORank),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "s3fifo over block ids (see kvplug.integrations.vllm.ranks.S3FIFORank).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)s3_init,
+    .tp_dealloc = (destructor)s3_dealloc,
+    .tp_traverse = (traverseproc)s3_traverse,
+    .tp_clear = (inquiry)s3_clear,
+    .tp_methods = s3_methods,
+    .tp_as_sequence = &s3_sequence,
+};
+
+/* -- ARCRank: T1 and T2 of arc over block ids, p adapted on ghost hits ---------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *table[T_COUNT];
+    Py_ssize_t n;
+    Heap t1, t2;
+    long long t1_tokens, t2_tokens, capacity;
+    int64_t *stamp, *seen_hits;
+    char *in_t2;
+    double fraction, b1, b2, p;
+    Ghosts ghosts;
+} ARCRank;
+
+static void arc_leave(ARCRank *r, int32_t id, long long tokens) {
+    if (r->in_t2[id]) {
+        if (heap_remove(&r->t2, id)) r->t2_tokens -= tokens;
+    } else if (heap_remove(&r->t1, id)) {
+        r->t1_tokens -= tokens;
+    }
+}
+
+static int arc_add(ARCRank *r, int32_t id) {
+    int err = 0;
+    long long hits = tget(r->table, T_HITS, id, &err);
+    long long created = tget(r->table, T_CREATED, id, &err);
+    long long tokens = tget(r->table, T_TOKENS, id, &err);
+    long long last = tget(r->table, T_LAST, id, &err);
+    if (err) return -1;
+    if (r->stamp[id] != created) { /* new content: T1, T2 if returning */
+        r->stamp[id] = created;
+        int tag = ghosts_pop(&r->ghosts, PyList_GET_ITEM(r->table[T_CONTENT], id));
+        if (tag == -2) return -1;
+        if (tag >= 0) {
+            double size = (double)tokens, b1 = r->b1, b2 = r->b2;
+            if (tag) { /* from T2: shrink T1's target */
+                double d = 1.0 > b2 ? 1.0 : b2, q = b1 / d, x = r->p - size * (1.0 > q ? 1.0 : q);
+                r->p = x > 0.0 ? x : 0.0;
+            } else { /* from T1: recency was cut too short */
+                double d = 1.0 > b1 ? 1.0 : b1, q = b2 / d, x = r->p + size * (1.0 > q ? 1.0 : q);
+                double c = (double)r->capacity;
+                r->p = x < c ? x : c;
+            }
+            r->in_t2[id] = 1;
+        } else {
+            r->in_t2[id] = 0;
+        }
+    } else {
+        arc_leave(r, id, tokens);
+        if (hits > r->seen_hits[id]) r->in_t2[id] = 1; /* reused: the frequency list */
+    }
+    r->seen_hits[id] = hits;
+    if (r->in_t2[id]) {
+        heap_set(&r->t2, id, 0, last);
+        r->t2_tokens += tokens;
+    } else {
+        heap_set(&r->t1, id, 0, last);
+        r->t1_tokens += tokens;
+    }
+    long long total = r->t1_tokens + r->t2_tokens;
+    if (total > r->capacity) {
+        if (r->capacity == 0) r->p = r->fraction * (double)total;
+        r->capacity = total;
+    }
+    return 0;
+}
+
+static Heap *arc_side(ARCRank *r) {
+    return (r->t1.size && ((double)r->t1_tokens > r->p || !r->t2.size)) ? &r->t1 : &r->t2;
+}
+
+static PyObject *arc_add_m(ARCRank *r, PyObject *arg) {
+    int32_t id;
+    if (rank_id(r->n, arg, &id) < 0 || arc_add(r, id) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *arc_discard_m(ARCRank *r, PyObject *arg) {
+    int32_t id;
+    int err = 0;
+    if (rank_id(r->n, arg, &id) < 0) return NULL;
+    long long created = tget(r->table, T_CREATED, id, &err);
+    long long tokens = tget(r->table, T_TOKENS, id, &err);
+    if (err) return NULL;
+    if (r->stamp[id] == created) arc_leave(r, id, tokens);
+    Py_RETURN_NONE;
+}
+
+static PyObject *arc_pop_m(ARCRank *r, PyObject *Py_UNUSED(ignored)) {
+    Heap *side = arc_side(r);
+    int32_t id = heap_pop(side);
+    if (id >= 0) {
+        int err = 0;
+        long long tokens = tget(r->table, T_TOKENS, id, &err);
+        if (err) return NULL;
+        r->b1 *= 0.999; /* ghosts are bounded: old evictions fade */
+        r->b2 *= 0.999;
+        if (side == &r->t1) {
+            r->t1_tokens -= tokens;
+            r->b1 += (double)tokens;
+        } else {
+            r->t2_tokens -= tokens;
+            r->b2 += (double)tokens;
+        }
+        r->stamp[id] = -1; /* its ghost, tagged with the list it left */
+        if (ghosts_leave(&r->ghosts, PyList_GET_ITEM(r->table[T_CONTENT], id), r->in_t2[id]) < 0)
+            return NULL;
+    }
+    return PyLong_FromLong(id);
+}
+
+static PyObject *arc_peek_m(ARCRank *r, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(heap_peek(arc_side(r)));
+}
+
+static PyObject *arc_pushpop_m(ARCRank *r, PyObject *arg) {
+    int32_t id;
+    if (rank_id(r->n, arg, &id) < 0 || arc_add(r, id) < 0) return NULL;
+    return arc_pop_m(r, NULL);
+}
+
+static PyObject *arc_recency_tokens(ARCRank *r, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLongLong(r->t1_tokens);
+}
+
+static Py_ssize_t arc_len(ARCRank *r) { return r->t1.size + r->t2.size; }
+
+static int arc_contains(ARCRank *r, PyObject *arg) { return rank_contains_id(&r->t1, &r->t2, arg); }
+
+static int arc_traverse(ARCRank *r, visitproc visit, void *arg) {
+    if (table_traverse(r->table, visit, arg)) return -1;
+    return ghosts_traverse(&r->ghosts, visit, arg);
+}
+
+static int arc_clear(ARCRank *r) {
+    table_clear(r->table);
+    ghosts_clear(&r->ghosts);
+    return 0;
+}
+
+static void arc_dealloc(ARCRank *r) {
+    PyObject_GC_UnTrack(r);
+    table_clear(r->table);
+    ghosts_free(&r->ghosts);
+    heap_free(&r->t1);
+    heap_free(&r->t2);
+    PyMem_Free(r->stamp);
+    PyMem_Free(r->seen_hits);
+    PyMem_Free(r->in_t2);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static int arc_init(ARCRank *r, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"hits", "created", "content", "tokens", "last",
+                             "initial_recency_fraction", "ghost_entries", NULL};
+    PyObject *hits, *created, *content, *tokens, *last;
+    double fraction;
+    Py_ssize_t ghost_entries;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOdn", kwlist, &hits, &created, &content,
+                                     &tokens, &last, &fraction, &ghost_entries))
+        return -1;
+    if (table_take(r->table, hits, created, content, tokens, last, &r->n) < 0) return -1;
+    Py_ssize_t m = r->n ? r->n : 1;
+    r->stamp = PyMem_Malloc(m * sizeof(int64_t));
+    r->seen_hits = PyMem_Calloc(m, sizeof(int64_t));
+    r->in_t2 = PyMem_Calloc(m, 1);
+    if (!r->stamp || !r->seen_hits || !r->in_t2) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < r->n; i++) r->stamp[i] = -1;
+    r->fraction = fraction;
+    if (heap_init(&r->t1, r->n) < 0 || heap_init(&r->t2, r->n) < 0) return -1;
+    return ghosts_init(&r->ghosts, ghost_entries);
+}
+
+static PyMethodDef arc_methods[] = {
+    {"add", (PyCFunction)arc_add_m, METH_O, "The block became a candidate."},
+    {"discard", (PyCFunction)arc_discard_m, METH_O, "The block is no longer a candidate."},
+    {"pop", (PyCFunction)arc_pop_m, METH_NOARGS, "Remove and return the next victim, -1 if none."},
+    {"peek", (PyCFunction)arc_peek_m, METH_NOARGS, "The next victim, -1 if none."},
+    {"pushpop", (PyCFunction)arc_pushpop_m, METH_O, "add(block_id) then pop()."},
+    {"recency_tokens", (PyCFunction)arc_recency_tokens, METH_NOARGS, "Candidate tokens in T1."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef arc_members[] = {
+    {"p", T_DOUBLE, offsetof(ARCRank, p), READONLY, "Target tokens of T1."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PySequenceMethods arc_sequence = {
+    .sq_length = (lenfunc)arc_len,
+    .sq_contains = (objobjproc)arc_contains,
+};
+
+static PyTypeObject ARCRankType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvplug._speedups.ARCRank",
+    .tp_basicsize = sizeof(ARCRank),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "arc over block ids (see kvplug.integrations.vllm.ranks.ARCRank).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)arc_init,
+    .tp_dealloc = (destructor)arc_dealloc,
+    .tp_traverse = (traverseproc)arc_traverse,
+    .tp_clear = (inquiry)arc_clear,
+    .tp_methods = arc_methods,
+    .tp_members = arc_members,
+    .tp_as_sequence = &arc_sequence,
 };
 
 /* -- module ----------------------------------------------------------------------------------- */
@@ -1553,10 +2205,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvplug._speedups",
                                     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__speedups(void) {
-    if (intern_names() < 0 || PyType_Ready(&BlockHeapType) < 0) return NULL;
+    if (intern_names() < 0 || PyType_Ready(&BlockHeapType) < 0 ||
+        PyType_Ready(&S3FIFORankType) < 0 || PyType_Ready(&ARCRankType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "BlockHeap", (PyObject *)&BlockHeapType) < 0) {
+    if (PyModule_AddObjectRef(m, "BlockHeap", (PyObject *)&BlockHeapType) < 0 ||
+        PyModule_AddObjectRef(m, "S3FIFORank", (PyObject *)&S3FIFORankType) < 0 ||
+        PyModule_AddObjectRef(m, "ARCRank", (PyObject *)&ARCRankType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -25,7 +25,6 @@ import numpy as np
 __all__ = [
     "NATIVE_AVAILABLE",
     "bind_node_type",
-    "block_heap_type",
     "check_slots",
     "check_token_ids",
     "common_prefix",
@@ -36,6 +35,7 @@ __all__ = [
     "free_list_touch",
     "lock_path",
     "native_enabled",
+    "native_type",
     "release_slots",
     "sha256_chain",
     "stamp_hits",
@@ -458,11 +458,12 @@ def free_list_touch(
     return unlinked, -1
 
 
-def block_heap_type() -> type | None:
-    """The compiled ``BlockHeap`` (block ids by key: ``kvplug._speedups``) while the compiled
-    kernels are in use, else ``None``: :mod:`kvplug.integrations.vllm.ranks` then uses its own
-    Python heaps, the reference."""
-    return _native.BlockHeap if native_enabled() else None
+def native_type(name: str) -> Any:
+    """The compiled class ``name`` of ``kvplug._speedups`` (the vLLM queue's block ranks:
+    ``BlockHeap``, ``S3FIFORank``, ``ARCRank``) while the compiled kernels are in use, else
+    ``None``: :mod:`kvplug.integrations.vllm.ranks` then uses its Python classes, the
+    reference."""
+    return getattr(_native, name) if native_enabled() else None
 
 
 _PYTHON = {

@@ -193,7 +193,7 @@ def _heap(num_blocks: int) -> _IntHeap:
     """Block ids by an integer key (``push``/``remove``/``pop``/``peek``/``len``): the compiled
     ``BlockHeap`` while the compiled kernels are in use, else :class:`_IntHeap` (the reference:
     the same order, ties broken by block id)."""
-    native = speedups.block_heap_type()
+    native = speedups.native_type("BlockHeap")
     return _IntHeap(num_blocks) if native is None else cast(_IntHeap, native(num_blocks))
 
 
@@ -562,7 +562,7 @@ def _keyed_class(kind: str, protected_hits: int) -> tuple[int, int]:
 def keyed_rank(table: BlockTable, kind: str, protected_hits: int = 1) -> BlockRank:
     """A :class:`KeyedRank`, or the compiled ``BlockHeap`` keyed the same way (from the same
     lists) while the compiled kernels are in use."""
-    native = speedups.block_heap_type()
+    native = speedups.native_type("BlockHeap")
     if native is None:
         return KeyedRank(table, kind, protected_hits)
     cap, div = _keyed_class(kind, protected_hits)
@@ -570,9 +570,15 @@ def keyed_rank(table: BlockTable, kind: str, protected_hits: int = 1) -> BlockRa
     return rank
 
 
+def _table_lists(table: BlockTable) -> tuple[list[Any], ...]:
+    """The lists a compiled rank reads (it keeps them: the table changes them in place)."""
+    return table.hits, table.created, table.content, table.tokens, table.last
+
+
 def rank_for(policy: EvictionPolicy, table: BlockTable) -> BlockRank | None:
     """The rank that orders blocks exactly as ``policy`` does, or ``None`` (exact classes only:
-    a subclass may change the key or the feedback)."""
+    a subclass may change the key or the feedback). While the compiled kernels are in use, the
+    built-in ranks are their compiled versions (``kvplug._speedups``: the same choices)."""
     kind = type(policy)
     if kind is LRUPolicy or kind is PriorityPolicy:
         return keyed_rank(table, "lru")
@@ -582,7 +588,19 @@ def rank_for(policy: EvictionPolicy, table: BlockTable) -> BlockRank | None:
     if kind is SLRUPolicy:
         return keyed_rank(table, "slru", options.protected_hits)
     if kind is S3FIFOPolicy:
-        return S3FIFORank(table, options.small_fraction, options.max_freq, options.ghost_entries)
+        native = speedups.native_type("S3FIFORank")
+        if native is None:
+            return S3FIFORank(
+                table, options.small_fraction, options.max_freq, options.ghost_entries
+            )
+        rank: BlockRank = native(
+            *_table_lists(table), options.small_fraction, options.max_freq, options.ghost_entries
+        )
+        return rank
     if kind is ARCPolicy:
-        return ARCRank(table, options.initial_recency_fraction, options.ghost_entries)
+        native = speedups.native_type("ARCRank")
+        if native is None:
+            return ARCRank(table, options.initial_recency_fraction, options.ghost_entries)
+        rank = native(*_table_lists(table), options.initial_recency_fraction, options.ghost_entries)
+        return rank
     return None

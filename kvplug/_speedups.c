@@ -990,266 +990,6 @@ static int attr_is_none(PyObject *obj, int f) {
     return none;
 }
 
-/* Call fn(arg) and return the int result (for the rank's pop/pushpop), -2 on error. */
-static long long call_rank(PyObject *fn, long long arg, int with_arg) {
-    PyObject *r;
-    if (with_arg) {
-        PyObject *a = PyLong_FromLongLong(arg);
-        if (a == NULL) return -2;
-        r = PyObject_CallOneArg(fn, a);
-        Py_DECREF(a);
-    } else {
-        r = PyObject_CallNoArgs(fn);
-    }
-    if (r == NULL) return -2;
-    long long v = PyLong_AsLongLong(r);
-    Py_DECREF(r);
-    if (v == -1 && PyErr_Occurred()) return -2;
-    return v;
-}
-
-static int call_void(PyObject *fn, long long arg) {
-    PyObject *a = PyLong_FromLongLong(arg);
-    if (a == NULL) return -1;
-    PyObject *r = PyObject_CallOneArg(fn, a);
-    Py_DECREF(a);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
-static PyObject *free_list_append(PyObject *Py_UNUSED(self), PyObject *const *args,
-                                  Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "free_list_append takes 7 arguments");
-        return NULL;
-    }
-    PyObject *blocks = args[0], *tail = args[1], *tracked = args[2], *last = args[3];
-    PyObject *num_children = args[4], *add = args[6];
-    long long clock = PyLong_AsLongLong(args[5]);
-    if (clock == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t n;
-    PyObject *lists[2] = {last, num_children};
-    if (check_lists(tracked, &n, lists, 2) < 0) return NULL;
-    if (!PyList_Check(blocks)) {
-        PyErr_SetString(PyExc_TypeError, "free_list_append: blocks must be a list");
-        return NULL;
-    }
-    char *track = PyByteArray_AS_STRING(tracked);
-    bind_block_type(tail);
-    PyObject *last_block = bget(tail, B_PREV);
-    if (last_block == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
-        PyObject *block = Py_NewRef(PyList_GET_ITEM(blocks, i));
-        if (bset(block, B_PREV, last_block) < 0 ||
-            bset(last_block, B_NEXT, block) < 0) {
-            Py_DECREF(block);
-            goto fail;
-        }
-        Py_SETREF(last_block, block);
-        int none = attr_is_none(block, B_HASH);
-        if (none < 0) goto fail;
-        if (none) continue; /* unhashed: reused in vLLM's order */
-        Py_ssize_t id = block_id_of(block, n);
-        if (id < 0) goto fail;
-        track[id] = 1;
-        if (set_item_long(last, id, clock + 1 + i) < 0) goto fail;
-        long long children;
-        if (item_long(num_children, id, &children) < 0) goto fail;
-        if (!children && call_void(add, id) < 0) goto fail;
-    }
-    if (bset(last_block, B_NEXT, tail) < 0 ||
-        bset(tail, B_PREV, last_block) < 0)
-        goto fail;
-    Py_DECREF(last_block);
-    Py_RETURN_NONE;
-fail:
-    Py_DECREF(last_block);
-    return NULL;
-}
-
-/* Unlink block from the list: its neighbours point at each other, its links become None. */
-static int unlink_block(PyObject *block, int *linked) {
-    PyObject *before = bget(block, B_PREV);
-    if (before == NULL) return -1;
-    PyObject *after = bget(block, B_NEXT);
-    if (after == NULL) {
-        Py_DECREF(before);
-        return -1;
-    }
-    int rc = 0;
-    *linked = before != Py_None && after != Py_None;
-    if (*linked) {
-        rc = (bset(before, B_NEXT, after) < 0 ||
-              bset(after, B_PREV, before) < 0 ||
-              bset(block, B_PREV, Py_None) < 0 ||
-              bset(block, B_NEXT, Py_None) < 0)
-                 ? -1
-                 : 0;
-    }
-    Py_DECREF(before);
-    Py_DECREF(after);
-    return rc;
-}
-
-static PyObject *free_list_popleft(PyObject *Py_UNUSED(self), PyObject *const *args,
-                                   Py_ssize_t nargs) {
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "free_list_popleft takes 12 arguments");
-        return NULL;
-    }
-    PyObject *head = args[0], *tracked = args[2], *blocks = args[3], *parent_of = args[4];
-    PyObject *parent_gen = args[5], *gen = args[6], *num_children = args[7], *content = args[8];
-    PyObject *pop = args[9], *pushpop = args[10], *add = args[11];
-    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
-    if (count == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t n;
-    PyObject *lists[6] = {blocks, parent_of, parent_gen, gen, num_children, content};
-    if (check_lists(tracked, &n, lists, 6) < 0) return NULL;
-    char *track = PyByteArray_AS_STRING(tracked);
-    bind_block_type(head);
-    PyObject *taken = PyList_New(0);
-    if (taken == NULL) return NULL;
-    long long carry = -1;
-    for (Py_ssize_t k = 0; k < count; k++) {
-        PyObject *victim = bget(head, B_NEXT);
-        if (victim == NULL) goto fail;
-        Py_ssize_t id = block_id_of(victim, n);
-        if (id < 0) {
-            Py_DECREF(victim);
-            goto fail;
-        }
-        if (track[id]) {
-            long long chosen;
-            if (carry >= 0) {
-                chosen = call_rank(pushpop, carry, 1);
-                carry = -1;
-            } else {
-                chosen = call_rank(pop, 0, 0);
-            }
-            if (chosen == -2 || (chosen >= n)) {
-                if (chosen >= n) PyErr_SetString(PyExc_IndexError, "free list: bad victim id");
-                Py_DECREF(victim);
-                goto fail;
-            }
-            if (chosen >= 0) {
-                id = (Py_ssize_t)chosen;
-                Py_SETREF(victim, Py_NewRef(PyList_GET_ITEM(blocks, id)));
-            }
-            track[id] = 0;
-        }
-        int linked;
-        if (unlink_block(victim, &linked) < 0 || PyList_Append(taken, victim) < 0) {
-            Py_DECREF(victim);
-            goto fail;
-        }
-        Py_DECREF(victim);
-        if (!linked) {
-            PyErr_SetString(PyExc_RuntimeError, "free list: a block to take is not linked");
-            goto fail;
-        }
-        if (PyList_GET_ITEM(content, id) != Py_None) { /* its hashes go next */
-            PyObject *old = PyList_GET_ITEM(content, id);
-            PyList_SET_ITEM(content, id, Py_NewRef(Py_None));
-            Py_DECREF(old);
-            long long children, g, parent, pg, pgen;
-            if (item_long(num_children, id, &children) < 0) goto fail;
-            if (children) { /* links of its children name an older generation */
-                if (set_item_long(num_children, id, 0) < 0) goto fail;
-                if (item_long(gen, id, &g) < 0 || set_item_long(gen, id, g + 1) < 0) goto fail;
-            }
-            if (item_long(parent_of, id, &parent) < 0) goto fail;
-            if (parent >= 0) {
-                if (parent >= n) {
-                    PyErr_SetString(PyExc_IndexError, "free list: bad parent id");
-                    goto fail;
-                }
-                if (item_long(parent_gen, id, &pg) < 0 || item_long(gen, parent, &pgen) < 0)
-                    goto fail;
-                if (pg == pgen) {
-                    long long left;
-                    if (item_long(num_children, parent, &left) < 0) goto fail;
-                    left -= 1;
-                    if (set_item_long(num_children, parent, left) < 0) goto fail;
-                    if (!left && track[parent]) {
-                        if (carry >= 0 && call_void(add, carry) < 0) goto fail;
-                        carry = parent;
-                    }
-                }
-            }
-        }
-    }
-    if (carry >= 0 && call_void(add, carry) < 0) goto fail;
-    return taken;
-fail:
-    Py_DECREF(taken);
-    return NULL;
-}
-
-static PyObject *free_list_touch(PyObject *Py_UNUSED(self), PyObject *const *args,
-                                 Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "free_list_touch takes 5 arguments");
-        return NULL;
-    }
-    PyObject *tracked = args[1], *num_children = args[2], *hits = args[3], *discard = args[4];
-    Py_ssize_t n;
-    PyObject *lists[2] = {num_children, hits};
-    if (check_lists(tracked, &n, lists, 2) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "free_list_touch: blocks must be a sequence");
-    if (seq == NULL) return NULL;
-    if (PySequence_Fast_GET_SIZE(seq)) bind_block_type(PySequence_Fast_GET_ITEM(seq, 0));
-    char *track = PyByteArray_AS_STRING(tracked);
-    Py_ssize_t unlinked = 0, bad = -1;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        PyObject *block = PySequence_Fast_GET_ITEM(seq, i);
-        PyObject *v = bget(block, B_NULL);
-        if (v == NULL) goto fail;
-        int is_null = PyObject_IsTrue(v);
-        Py_DECREF(v);
-        if (is_null < 0) goto fail;
-        if (is_null) continue;
-        Py_ssize_t id = block_id_of(block, n);
-        if (id < 0) goto fail;
-        v = bget(block, B_REF);
-        if (v == NULL) goto fail;
-        long long ref = PyLong_AsLongLong(v);
-        Py_DECREF(v);
-        if (ref == -1 && PyErr_Occurred()) goto fail;
-        if (ref == 0) { /* in the free list: take it out */
-            int linked;
-            if (unlink_block(block, &linked) < 0) goto fail;
-            if (!linked) {
-                bad = i;
-                break;
-            }
-            unlinked++;
-            if (track[id]) {
-                track[id] = 0;
-                long long children;
-                if (item_long(num_children, id, &children) < 0) goto fail;
-                if (!children && call_void(discard, id) < 0) goto fail;
-            }
-        }
-        v = PyLong_FromLongLong(ref + 1);
-        if (v == NULL) goto fail;
-        int rc = bset(block, B_REF, v);
-        Py_DECREF(v);
-        if (rc < 0) goto fail;
-        int none = attr_is_none(block, B_HASH);
-        if (none < 0) goto fail;
-        if (!none) {
-            long long h;
-            if (item_long(hits, id, &h) < 0 || set_item_long(hits, id, h + 1) < 0) goto fail;
-        }
-    }
-    Py_DECREF(seq);
-    return Py_BuildValue("nn", unlinked, bad);
-fail:
-    Py_DECREF(seq);
-    return NULL;
-}
-
 /* -- block ranks: the vLLM queue's candidate orders --------------------------------------------
  * Compiled versions of kvplug.integrations.vllm.ranks (the reference; its tests drive both
  * against the policies): BlockHeap (block ids by key; keyed from the per-block lists, it is
@@ -1258,23 +998,26 @@ fail:
  */
 
 /* An indexed binary heap over block ids 0..n-1 (each at most once), ordered by (major, minor,
- * block id): the Python heaps' order (key, then id). */
+ * block id): the Python heaps' order (key, then id). Entries hold their keys (a comparison reads
+ * no other memory). */
+typedef struct {
+    int64_t major, minor;
+    int32_t id;
+} HeapEntry;
+
 typedef struct {
     Py_ssize_t n, size;
-    int32_t *heap;   /* heap[0..size) */
-    Py_ssize_t *pos; /* pos[id]: index in heap, -1 if absent */
-    int64_t *major, *minor;
+    HeapEntry *heap; /* heap[0..size) */
+    int32_t *pos;    /* pos[id]: index in heap, -1 if absent */
 } Heap;
 
 static int heap_init(Heap *h, Py_ssize_t n) {
     Py_ssize_t m = n ? n : 1;
     h->n = n;
     h->size = 0;
-    h->heap = PyMem_Malloc(m * sizeof(int32_t));
-    h->pos = PyMem_Malloc(m * sizeof(Py_ssize_t));
-    h->major = PyMem_Calloc(m, sizeof(int64_t));
-    h->minor = PyMem_Calloc(m, sizeof(int64_t));
-    if (!h->heap || !h->pos || !h->major || !h->minor) {
+    h->heap = PyMem_Malloc(m * sizeof(HeapEntry));
+    h->pos = PyMem_Malloc(m * sizeof(int32_t));
+    if (!h->heap || !h->pos) {
         PyErr_NoMemory();
         return -1;
     }
@@ -1285,80 +1028,71 @@ static int heap_init(Heap *h, Py_ssize_t n) {
 static void heap_free(Heap *h) {
     PyMem_Free(h->heap);
     PyMem_Free(h->pos);
-    PyMem_Free(h->major);
-    PyMem_Free(h->minor);
     h->heap = NULL;
     h->pos = NULL;
-    h->major = h->minor = NULL;
 }
 
-static inline int heap_less(const Heap *h, int32_t a, int32_t b) {
-    if (h->major[a] != h->major[b]) return h->major[a] < h->major[b];
-    if (h->minor[a] != h->minor[b]) return h->minor[a] < h->minor[b];
-    return a < b;
+static inline int entry_less(const HeapEntry *a, const HeapEntry *b) {
+    if (a->major != b->major) return a->major < b->major;
+    if (a->minor != b->minor) return a->minor < b->minor;
+    return a->id < b->id;
 }
 
 static void heap_up(Heap *h, Py_ssize_t i) {
-    int32_t id = h->heap[i];
+    HeapEntry e = h->heap[i];
     while (i > 0) {
         Py_ssize_t parent = (i - 1) / 2;
-        int32_t p = h->heap[parent];
-        if (!heap_less(h, id, p)) break;
-        h->heap[i] = p;
-        h->pos[p] = i;
+        if (!entry_less(&e, &h->heap[parent])) break;
+        h->heap[i] = h->heap[parent];
+        h->pos[h->heap[i].id] = (int32_t)i;
         i = parent;
     }
-    h->heap[i] = id;
-    h->pos[id] = i;
+    h->heap[i] = e;
+    h->pos[e.id] = (int32_t)i;
 }
 
 static void heap_down(Heap *h, Py_ssize_t i) {
-    int32_t id = h->heap[i];
+    HeapEntry e = h->heap[i];
     for (;;) {
         Py_ssize_t child = 2 * i + 1;
         if (child >= h->size) break;
-        if (child + 1 < h->size && heap_less(h, h->heap[child + 1], h->heap[child])) child++;
-        int32_t c = h->heap[child];
-        if (!heap_less(h, c, id)) break;
-        h->heap[i] = c;
-        h->pos[c] = i;
+        if (child + 1 < h->size && entry_less(&h->heap[child + 1], &h->heap[child])) child++;
+        if (!entry_less(&h->heap[child], &e)) break;
+        h->heap[i] = h->heap[child];
+        h->pos[h->heap[i].id] = (int32_t)i;
         i = child;
     }
-    h->heap[i] = id;
-    h->pos[id] = i;
+    h->heap[i] = e;
+    h->pos[e.id] = (int32_t)i;
 }
 
 /* Set a block's key (insert it, or re-key it where it is). */
 static void heap_set(Heap *h, int32_t id, int64_t major, int64_t minor) {
     Py_ssize_t i = h->pos[id];
-    h->major[id] = major;
-    h->minor[id] = minor;
-    if (i < 0) {
-        i = h->size++;
-        h->heap[i] = id;
-        h->pos[id] = i;
-        heap_up(h, i);
-    } else {
-        heap_up(h, i);
-        heap_down(h, h->pos[id]);
-    }
+    if (i < 0) i = h->size++;
+    h->heap[i].major = major;
+    h->heap[i].minor = minor;
+    h->heap[i].id = id;
+    h->pos[id] = (int32_t)i;
+    heap_up(h, i);
+    heap_down(h, h->pos[id]);
 }
 
 static int heap_remove(Heap *h, int32_t id) {
     Py_ssize_t i = h->pos[id];
     if (i < 0) return 0;
     h->pos[id] = -1;
-    int32_t moved = h->heap[--h->size];
+    HeapEntry moved = h->heap[--h->size];
     if (i < h->size) {
         h->heap[i] = moved;
-        h->pos[moved] = i;
+        h->pos[moved.id] = (int32_t)i;
         heap_up(h, i);
-        heap_down(h, h->pos[moved]);
+        heap_down(h, h->pos[moved.id]);
     }
     return 1;
 }
 
-static inline int32_t heap_peek(const Heap *h) { return h->size ? h->heap[0] : -1; }
+static inline int32_t heap_peek(const Heap *h) { return h->size ? h->heap[0].id : -1; }
 
 static int32_t heap_pop(Heap *h) {
     int32_t id = heap_peek(h);
@@ -1504,13 +1238,8 @@ static int ghosts_leave(Ghosts *g, PyObject *key, int tag) {
     int64_t seq = ++g->seq;
     PyObject *v = PyLong_FromLongLong((long long)(seq << 1 | (tag ? 1 : 0)));
     if (v == NULL) return -1;
-    int rc = PyDict_Contains(g->map, key); /* set-as-newest: an old entry goes first */
-    if (rc > 0) rc = PyDict_DelItem(g->map, key);
-    if (rc < 0) {
-        Py_DECREF(v);
-        return -1;
-    }
-    rc = PyDict_SetItem(g->map, key, v);
+    /* set as the newest: a new seq (the key's older ring entry, if any, becomes stale) */
+    int rc = PyDict_SetItem(g->map, key, v);
     Py_DECREF(v);
     if (rc < 0) return -1;
     g->keys[g->len] = Py_NewRef(key);
@@ -1596,20 +1325,25 @@ static PyObject *bh_peek(BlockHeap *self, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromLong(heap_peek(&self->h));
 }
 
-static PyObject *bh_pushpop(BlockHeap *self, PyObject *arg) {
-    int32_t id;
+/* add(id) then pop(): the victim, -2 on error. */
+static int32_t bh_pushpop_id(BlockHeap *self, int32_t id) {
     int64_t major, minor;
     Heap *h = &self->h;
-    if (rank_id(h->n, arg, &id) < 0 || bh_keyed(self, id, &major, &minor) < 0) return NULL;
+    if (bh_keyed(self, id, &major, &minor) < 0) return -2;
     if (h->pos[id] < 0) {
-        int32_t top = heap_peek(h);
-        if (top < 0 || major < h->major[top] ||
-            (major == h->major[top] &&
-             (minor < h->minor[top] || (minor == h->minor[top] && id < top))))
-            return PyLong_FromLong(id); /* the next victim anyway: the heap is untouched */
+        HeapEntry e = {major, minor, id};
+        if (!h->size || entry_less(&e, &h->heap[0]))
+            return id; /* the next victim anyway: the heap is untouched */
     }
     heap_set(h, id, major, minor);
-    return PyLong_FromLong(heap_pop(h));
+    return heap_pop(h);
+}
+
+static PyObject *bh_pushpop(BlockHeap *self, PyObject *arg) {
+    int32_t id;
+    if (rank_id(self->h.n, arg, &id) < 0) return NULL;
+    id = bh_pushpop_id(self, id);
+    return id == -2 ? NULL : PyLong_FromLong(id);
 }
 
 static Py_ssize_t bh_len(BlockHeap *self) { return self->h.size; }
@@ -1845,14 +1579,18 @@ static PyObject *s3_add_m(S3FIFORank *r, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *s3_discard_m(S3FIFORank *r, PyObject *arg) {
-    int32_t id;
+static int s3_discard(S3FIFORank *r, int32_t id) {
     int err = 0;
-    if (rank_id(r->n, arg, &id) < 0) return NULL;
     long long created = tget(r->table, T_CREATED, id, &err);
     long long tokens = tget(r->table, T_TOKENS, id, &err);
-    if (err) return NULL;
+    if (err) return -1;
     if (r->stamp[id] == created) s3_leave(r, id, tokens);
+    return 0;
+}
+
+static PyObject *s3_discard_m(S3FIFORank *r, PyObject *arg) {
+    int32_t id;
+    if (rank_id(r->n, arg, &id) < 0 || s3_discard(r, id) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -2043,24 +1781,29 @@ static PyObject *arc_add_m(ARCRank *r, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *arc_discard_m(ARCRank *r, PyObject *arg) {
-    int32_t id;
+static int arc_discard(ARCRank *r, int32_t id) {
     int err = 0;
-    if (rank_id(r->n, arg, &id) < 0) return NULL;
     long long created = tget(r->table, T_CREATED, id, &err);
     long long tokens = tget(r->table, T_TOKENS, id, &err);
-    if (err) return NULL;
+    if (err) return -1;
     if (r->stamp[id] == created) arc_leave(r, id, tokens);
+    return 0;
+}
+
+static PyObject *arc_discard_m(ARCRank *r, PyObject *arg) {
+    int32_t id;
+    if (rank_id(r->n, arg, &id) < 0 || arc_discard(r, id) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
-static PyObject *arc_pop_m(ARCRank *r, PyObject *Py_UNUSED(ignored)) {
+/* Remove and return the next victim, -1 if none, -2 on error. */
+static int32_t arc_pop(ARCRank *r) {
     Heap *side = arc_side(r);
     int32_t id = heap_pop(side);
     if (id >= 0) {
         int err = 0;
         long long tokens = tget(r->table, T_TOKENS, id, &err);
-        if (err) return NULL;
+        if (err) return -2;
         r->b1 *= 0.999; /* ghosts are bounded: old evictions fade */
         r->b2 *= 0.999;
         if (side == &r->t1) {
@@ -2072,9 +1815,14 @@ static PyObject *arc_pop_m(ARCRank *r, PyObject *Py_UNUSED(ignored)) {
         }
         r->stamp[id] = -1; /* its ghost, tagged with the list it left */
         if (ghosts_leave(&r->ghosts, PyList_GET_ITEM(r->table[T_CONTENT], id), r->in_t2[id]) < 0)
-            return NULL;
+            return -2;
     }
-    return PyLong_FromLong(id);
+    return id;
+}
+
+static PyObject *arc_pop_m(ARCRank *r, PyObject *Py_UNUSED(ignored)) {
+    int32_t id = arc_pop(r);
+    return id == -2 ? NULL : PyLong_FromLong(id);
 }
 
 static PyObject *arc_peek_m(ARCRank *r, PyObject *Py_UNUSED(ignored)) {
@@ -2176,6 +1924,310 @@ static PyTypeObject ARCRankType = {
     .tp_members = arc_members,
     .tp_as_sequence = &arc_sequence,
 };
+
+/* -- vLLM's free-block list: the loops (they call the ranks above directly) -------------- */
+
+/* The object a compiled rank method `fn` is bound to, when `fn` is exactly that method (then
+ * the loops call it in C, without boxing), else NULL. `arg` (-1: none) must be one of its ids. */
+static void *bound_to(PyObject *fn, PyCFunction meth, long long arg) {
+    if (!PyCFunction_Check(fn) || ((PyCFunctionObject *)fn)->m_ml->ml_meth != meth) return NULL;
+    void *self = ((PyCFunctionObject *)fn)->m_self;
+    if (arg >= 0) { /* the id is in the rank's range, else the call (and its error) goes by name */
+        Py_ssize_t rn = Py_IS_TYPE((PyObject *)self, &BlockHeapType) ? ((BlockHeap *)self)->h.n
+                        : Py_IS_TYPE((PyObject *)self, &S3FIFORankType) ? ((S3FIFORank *)self)->n
+                                                                        : ((ARCRank *)self)->n;
+        if (arg >= rn) return NULL;
+    }
+    return self;
+}
+
+/* A rank's pop() (`with_arg` 0) or pushpop(arg) (`with_arg` 1): the victim, -2 on error. */
+static long long call_rank(PyObject *fn, long long arg, int with_arg) {
+    void *r;
+    if (with_arg) {
+        if ((r = bound_to(fn, (PyCFunction)bh_pushpop, arg))) return bh_pushpop_id(r, arg);
+        if ((r = bound_to(fn, (PyCFunction)s3_pushpop_m, arg)))
+            return s3_add(r, arg) < 0 ? -2 : s3_victim(r, 1);
+        if ((r = bound_to(fn, (PyCFunction)arc_pushpop_m, arg)))
+            return arc_add(r, arg) < 0 ? -2 : arc_pop(r);
+    } else {
+        if ((r = bound_to(fn, (PyCFunction)bh_pop, -1))) return heap_pop(&((BlockHeap *)r)->h);
+        if ((r = bound_to(fn, (PyCFunction)s3_pop_m, -1))) return s3_victim(r, 1);
+        if ((r = bound_to(fn, (PyCFunction)arc_pop_m, -1))) return arc_pop(r);
+    }
+    PyObject *res;
+    if (with_arg) {
+        PyObject *a = PyLong_FromLongLong(arg);
+        if (a == NULL) return -2;
+        res = PyObject_CallOneArg(fn, a);
+        Py_DECREF(a);
+    } else {
+        res = PyObject_CallNoArgs(fn);
+    }
+    if (res == NULL) return -2;
+    long long v = PyLong_AsLongLong(res);
+    Py_DECREF(res);
+    if (v == -1 && PyErr_Occurred()) return -2;
+    return v;
+}
+
+/* A rank's add(arg) or discard(arg); -1 on error. */
+static int call_void(PyObject *fn, long long arg) {
+    void *r;
+    if ((r = bound_to(fn, (PyCFunction)bh_add, arg))) {
+        int64_t major, minor;
+        if (bh_keyed(r, arg, &major, &minor) < 0) return -1;
+        heap_set(&((BlockHeap *)r)->h, arg, major, minor);
+        return 0;
+    }
+    if ((r = bound_to(fn, (PyCFunction)bh_discard, arg))) {
+        heap_remove(&((BlockHeap *)r)->h, arg);
+        return 0;
+    }
+    if ((r = bound_to(fn, (PyCFunction)s3_add_m, arg))) return s3_add(r, arg);
+    if ((r = bound_to(fn, (PyCFunction)s3_discard_m, arg))) return s3_discard(r, arg);
+    if ((r = bound_to(fn, (PyCFunction)arc_add_m, arg))) return arc_add(r, arg);
+    if ((r = bound_to(fn, (PyCFunction)arc_discard_m, arg))) return arc_discard(r, arg);
+    PyObject *a = PyLong_FromLongLong(arg);
+    if (a == NULL) return -1;
+    PyObject *res = PyObject_CallOneArg(fn, a);
+    Py_DECREF(a);
+    if (res == NULL) return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+static PyObject *free_list_append(PyObject *Py_UNUSED(self), PyObject *const *args,
+                                  Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "free_list_append takes 7 arguments");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *tail = args[1], *tracked = args[2], *last = args[3];
+    PyObject *num_children = args[4], *add = args[6];
+    long long clock = PyLong_AsLongLong(args[5]);
+    if (clock == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n;
+    PyObject *lists[2] = {last, num_children};
+    if (check_lists(tracked, &n, lists, 2) < 0) return NULL;
+    if (!PyList_Check(blocks)) {
+        PyErr_SetString(PyExc_TypeError, "free_list_append: blocks must be a list");
+        return NULL;
+    }
+    char *track = PyByteArray_AS_STRING(tracked);
+    bind_block_type(tail);
+    PyObject *last_block = bget(tail, B_PREV);
+    if (last_block == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
+        PyObject *block = Py_NewRef(PyList_GET_ITEM(blocks, i));
+        if (bset(block, B_PREV, last_block) < 0 ||
+            bset(last_block, B_NEXT, block) < 0) {
+            Py_DECREF(block);
+            goto fail;
+        }
+        Py_SETREF(last_block, block);
+        int none = attr_is_none(block, B_HASH);
+        if (none < 0) goto fail;
+        if (none) continue; /* unhashed: reused in vLLM's order */
+        Py_ssize_t id = block_id_of(block, n);
+        if (id < 0) goto fail;
+        track[id] = 1;
+        if (set_item_long(last, id, clock + 1 + i) < 0) goto fail;
+        long long children;
+        if (item_long(num_children, id, &children) < 0) goto fail;
+        if (!children && call_void(add, id) < 0) goto fail;
+    }
+    if (bset(last_block, B_NEXT, tail) < 0 ||
+        bset(tail, B_PREV, last_block) < 0)
+        goto fail;
+    Py_DECREF(last_block);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(last_block);
+    return NULL;
+}
+
+/* Unlink block from the list: its neighbours point at each other, its links become None. */
+static int unlink_block(PyObject *block, int *linked) {
+    PyObject *before = bget(block, B_PREV);
+    if (before == NULL) return -1;
+    PyObject *after = bget(block, B_NEXT);
+    if (after == NULL) {
+        Py_DECREF(before);
+        return -1;
+    }
+    int rc = 0;
+    *linked = before != Py_None && after != Py_None;
+    if (*linked) {
+        rc = (bset(before, B_NEXT, after) < 0 ||
+              bset(after, B_PREV, before) < 0 ||
+              bset(block, B_PREV, Py_None) < 0 ||
+              bset(block, B_NEXT, Py_None) < 0)
+                 ? -1
+                 : 0;
+    }
+    Py_DECREF(before);
+    Py_DECREF(after);
+    return rc;
+}
+
+static PyObject *free_list_popleft(PyObject *Py_UNUSED(self), PyObject *const *args,
+                                   Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "free_list_popleft takes 12 arguments");
+        return NULL;
+    }
+    PyObject *head = args[0], *tracked = args[2], *blocks = args[3], *parent_of = args[4];
+    PyObject *parent_gen = args[5], *gen = args[6], *num_children = args[7], *content = args[8];
+    PyObject *pop = args[9], *pushpop = args[10], *add = args[11];
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n;
+    PyObject *lists[6] = {blocks, parent_of, parent_gen, gen, num_children, content};
+    if (check_lists(tracked, &n, lists, 6) < 0) return NULL;
+    char *track = PyByteArray_AS_STRING(tracked);
+    bind_block_type(head);
+    PyObject *taken = PyList_New(0);
+    if (taken == NULL) return NULL;
+    long long carry = -1;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *victim = bget(head, B_NEXT);
+        if (victim == NULL) goto fail;
+        Py_ssize_t id = block_id_of(victim, n);
+        if (id < 0) {
+            Py_DECREF(victim);
+            goto fail;
+        }
+        if (track[id]) {
+            long long chosen;
+            if (carry >= 0) {
+                chosen = call_rank(pushpop, carry, 1);
+                carry = -1;
+            } else {
+                chosen = call_rank(pop, 0, 0);
+            }
+            if (chosen == -2 || (chosen >= n)) {
+                if (chosen >= n) PyErr_SetString(PyExc_IndexError, "free list: bad victim id");
+                Py_DECREF(victim);
+                goto fail;
+            }
+            if (chosen >= 0) {
+                id = (Py_ssize_t)chosen;
+                Py_SETREF(victim, Py_NewRef(PyList_GET_ITEM(blocks, id)));
+            }
+            track[id] = 0;
+        }
+        int linked;
+        if (unlink_block(victim, &linked) < 0 || PyList_Append(taken, victim) < 0) {
+            Py_DECREF(victim);
+            goto fail;
+        }
+        Py_DECREF(victim);
+        if (!linked) {
+            PyErr_SetString(PyExc_RuntimeError, "free list: a block to take is not linked");
+            goto fail;
+        }
+        if (PyList_GET_ITEM(content, id) != Py_None) { /* its hashes go next */
+            PyObject *old = PyList_GET_ITEM(content, id);
+            PyList_SET_ITEM(content, id, Py_NewRef(Py_None));
+            Py_DECREF(old);
+            long long children, g, parent, pg, pgen;
+            if (item_long(num_children, id, &children) < 0) goto fail;
+            if (children) { /* links of its children name an older generation */
+                if (set_item_long(num_children, id, 0) < 0) goto fail;
+                if (item_long(gen, id, &g) < 0 || set_item_long(gen, id, g + 1) < 0) goto fail;
+            }
+            if (item_long(parent_of, id, &parent) < 0) goto fail;
+            if (parent >= 0) {
+                if (parent >= n) {
+                    PyErr_SetString(PyExc_IndexError, "free list: bad parent id");
+                    goto fail;
+                }
+                if (item_long(parent_gen, id, &pg) < 0 || item_long(gen, parent, &pgen) < 0)
+                    goto fail;
+                if (pg == pgen) {
+                    long long left;
+                    if (item_long(num_children, parent, &left) < 0) goto fail;
+                    left -= 1;
+                    if (set_item_long(num_children, parent, left) < 0) goto fail;
+                    if (!left && track[parent]) {
+                        if (carry >= 0 && call_void(add, carry) < 0) goto fail;
+                        carry = parent;
+                    }
+                }
+            }
+        }
+    }
+    if (carry >= 0 && call_void(add, carry) < 0) goto fail;
+    return taken;
+fail:
+    Py_DECREF(taken);
+    return NULL;
+}
+
+static PyObject *free_list_touch(PyObject *Py_UNUSED(self), PyObject *const *args,
+                                 Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "free_list_touch takes 5 arguments");
+        return NULL;
+    }
+    PyObject *tracked = args[1], *num_children = args[2], *hits = args[3], *discard = args[4];
+    Py_ssize_t n;
+    PyObject *lists[2] = {num_children, hits};
+    if (check_lists(tracked, &n, lists, 2) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "free_list_touch: blocks must be a sequence");
+    if (seq == NULL) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq)) bind_block_type(PySequence_Fast_GET_ITEM(seq, 0));
+    char *track = PyByteArray_AS_STRING(tracked);
+    Py_ssize_t unlinked = 0, bad = -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *block = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *v = bget(block, B_NULL);
+        if (v == NULL) goto fail;
+        int is_null = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        if (is_null < 0) goto fail;
+        if (is_null) continue;
+        Py_ssize_t id = block_id_of(block, n);
+        if (id < 0) goto fail;
+        v = bget(block, B_REF);
+        if (v == NULL) goto fail;
+        long long ref = PyLong_AsLongLong(v);
+        Py_DECREF(v);
+        if (ref == -1 && PyErr_Occurred()) goto fail;
+        if (ref == 0) { /* in the free list: take it out */
+            int linked;
+            if (unlink_block(block, &linked) < 0) goto fail;
+            if (!linked) {
+                bad = i;
+                break;
+            }
+            unlinked++;
+            if (track[id]) {
+                track[id] = 0;
+                long long children;
+                if (item_long(num_children, id, &children) < 0) goto fail;
+                if (!children && call_void(discard, id) < 0) goto fail;
+            }
+        }
+        v = PyLong_FromLongLong(ref + 1);
+        if (v == NULL) goto fail;
+        int rc = bset(block, B_REF, v);
+        Py_DECREF(v);
+        if (rc < 0) goto fail;
+        int none = attr_is_none(block, B_HASH);
+        if (none < 0) goto fail;
+        if (!none) {
+            long long h;
+            if (item_long(hits, id, &h) < 0 || set_item_long(hits, id, h + 1) < 0) goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("nn", unlinked, bad);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
 
 /* -- module ----------------------------------------------------------------------------------- */
 

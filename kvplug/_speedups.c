@@ -1261,21 +1261,17 @@ static int ghosts_leave(Ghosts *g, PyObject *key, int tag) {
     return 0;
 }
 
-/* -- BlockHeap: block ids by key (KeyedRank keyed from the lists; push(id, key) otherwise) -- */
+/* -- BlockHeap: KeyedRank, block ids keyed from the per-block lists ----------------------- */
 
 typedef struct {
     PyObject_HEAD
     Heap h;
-    PyObject *last, *hits; /* lists of n ints, or NULL (push only) */
+    PyObject *last, *hits; /* lists of n ints */
     long long cap, div;
 } BlockHeap;
 
 /* The sort key of a keyed heap's block: (min(hits, cap) // div, last). */
 static int bh_keyed(BlockHeap *self, int32_t id, int64_t *major, int64_t *minor) {
-    if (self->last == NULL) {
-        PyErr_SetString(PyExc_TypeError, "BlockHeap: add() needs the per-block lists");
-        return -1;
-    }
     long long hits, last;
     if (item_long(self->hits, id, &hits) < 0 || item_long(self->last, id, &last) < 0) return -1;
     *major = (hits < self->cap ? hits : self->cap) / self->div;
@@ -1291,30 +1287,11 @@ static PyObject *bh_add(BlockHeap *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *bh_push(BlockHeap *self, PyObject *const *args, Py_ssize_t nargs) {
-    int32_t id;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "BlockHeap.push takes (block_id, key)");
-        return NULL;
-    }
-    if (rank_id(self->h.n, args[0], &id) < 0) return NULL;
-    long long key = PyLong_AsLongLong(args[1]);
-    if (key == -1 && PyErr_Occurred()) return NULL;
-    heap_set(&self->h, id, 0, key);
-    Py_RETURN_NONE;
-}
-
 static PyObject *bh_discard(BlockHeap *self, PyObject *arg) {
     int32_t id;
     if (rank_id(self->h.n, arg, &id) < 0) return NULL;
     heap_remove(&self->h, id);
     Py_RETURN_NONE;
-}
-
-static PyObject *bh_remove(BlockHeap *self, PyObject *arg) {
-    int32_t id;
-    if (rank_id(self->h.n, arg, &id) < 0) return NULL;
-    return PyBool_FromLong(heap_remove(&self->h, id));
 }
 
 static PyObject *bh_pop(BlockHeap *self, PyObject *Py_UNUSED(ignored)) {
@@ -1372,32 +1349,24 @@ static void bh_dealloc(BlockHeap *self) {
 }
 
 static int bh_init(BlockHeap *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"num_blocks", "last", "hits", "cap", "div", NULL};
-    Py_ssize_t n;
-    PyObject *last = Py_None, *hits = Py_None;
-    long long cap = 0, div = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|OOLL", kwlist, &n, &last, &hits, &cap,
-                                     &div))
+    static char *kwlist[] = {"last", "hits", "cap", "div", NULL};
+    PyObject *last, *hits;
+    long long cap, div;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLL", kwlist, &last, &hits, &cap, &div))
         return -1;
     if (self->h.heap != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "BlockHeap: already initialised");
         return -1;
     }
-    if (n < 0 || n > INT32_MAX || div < 1 || cap < 0) {
-        PyErr_SetString(PyExc_ValueError, "BlockHeap: bad num_blocks, cap or div");
+    if (div < 1 || cap < 0) {
+        PyErr_SetString(PyExc_ValueError, "BlockHeap: cap must be >= 0 and div >= 1");
         return -1;
     }
-    if (last != Py_None || hits != Py_None) {
-        PyObject *lists[2] = {last, hits}, *dest[2];
-        Py_ssize_t m;
-        if (take_lists(lists, dest, 2, &m) < 0) return -1;
-        self->last = dest[0];
-        self->hits = dest[1];
-        if (m != n) {
-            PyErr_SetString(PyExc_ValueError, "BlockHeap: last and hits have num_blocks items");
-            return -1;
-        }
-    }
+    PyObject *lists[2] = {last, hits}, *dest[2];
+    Py_ssize_t n;
+    if (take_lists(lists, dest, 2, &n) < 0) return -1;
+    self->last = dest[0];
+    self->hits = dest[1];
     self->cap = cap;
     self->div = div;
     return heap_init(&self->h, n);
@@ -1405,9 +1374,7 @@ static int bh_init(BlockHeap *self, PyObject *args, PyObject *kwds) {
 
 static PyMethodDef bh_methods[] = {
     {"add", (PyCFunction)bh_add, METH_O, "The block becomes a candidate (keyed from the lists)."},
-    {"push", (PyCFunction)(void (*)(void))bh_push, METH_FASTCALL, "Set a block's key."},
     {"discard", (PyCFunction)bh_discard, METH_O, "The block leaves (no-op if absent)."},
-    {"remove", (PyCFunction)bh_remove, METH_O, "The block leaves; whether it was there."},
     {"pop", (PyCFunction)bh_pop, METH_NOARGS, "Remove and return the smallest, -1 if none."},
     {"peek", (PyCFunction)bh_peek, METH_NOARGS, "The smallest, -1 if none."},
     {"pushpop", (PyCFunction)bh_pushpop, METH_O, "add(block_id) then pop()."},

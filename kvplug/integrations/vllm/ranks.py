@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Any, cast
+from typing import Any
 
 from kvplug_hookspecs import CandidateStats, EvictionPolicy, FeedbackEvictionPolicy
 
@@ -189,20 +189,6 @@ class _IntHeap:
         return isinstance(block_id, int) and self._entry[block_id] >= 0
 
 
-def _heap(num_blocks: int) -> _IntHeap:
-    """Block ids by an integer key (``push``/``remove``/``pop``/``peek``/``len``): the compiled
-    ``BlockHeap`` while the compiled kernels are in use, else :class:`_IntHeap` (the reference:
-    the same order, ties broken by block id)."""
-    native = speedups.native_type("BlockHeap")
-    return _IntHeap(num_blocks) if native is None else cast(_IntHeap, native(num_blocks))
-
-
-_KEYED_CLASSES = {
-    "lru": (0, 1),
-    "lfu": (1 << 62, 1),
-}  # (cap, div) of the class min(hits, cap) // div
-
-
 class KeyedRank(_IntHeap, BlockRank):
     """A sort-key policy whose key is ``(class, last_access_time)``: ``lru`` (class 0), ``lfu``
     (the hit count), ``slru`` (protected or not), ``priority`` (vLLM blocks have priority 0).
@@ -265,7 +251,7 @@ class S3FIFORank(BlockRank):
     ) -> None:
         n = len(table.last)
         self._table = table
-        self._small, self._main = _heap(n), _heap(n)
+        self._small, self._main = _IntHeap(n), _IntHeap(n)
         self._small_tokens = self._main_tokens = 0
         self._stamp = [-1] * n  # the content (``created``) the state below describes
         self._queue = [0] * n
@@ -327,9 +313,9 @@ class S3FIFORank(BlockRank):
         small, main, freq = self._small, self._main, self._freq
         tokens = self._table.tokens
         while True:
-            if len(small) and (
+            if small._live and (
                 self._small_tokens > self._fraction * (self._small_tokens + self._main_tokens)
-                or not len(main)
+                or not main._live
             ):
                 block_id = small.peek()
                 if freq[block_id] > 0:  # reused while in S: promote to M
@@ -368,7 +354,7 @@ class S3FIFORank(BlockRank):
         return "small" if self._queue[block_id] == self._S else "main"
 
     def __len__(self) -> int:
-        return len(self._small) + len(self._main)
+        return self._small._live + self._main._live
 
     def __contains__(self, block_id: object) -> bool:
         return block_id in self._small or block_id in self._main
@@ -386,7 +372,7 @@ class ARCRank(BlockRank):
     ) -> None:
         n = len(table.last)
         self._table = table
-        self._t1, self._t2 = _heap(n), _heap(n)
+        self._t1, self._t2 = _IntHeap(n), _IntHeap(n)
         self._t1_tokens = self._t2_tokens = 0
         self._stamp = [-1] * n
         self._in_t2 = bytearray(n)
@@ -445,7 +431,7 @@ class ARCRank(BlockRank):
 
     def _side(self) -> _IntHeap:
         t1 = self._t1
-        return t1 if len(t1) and (self._t1_tokens > self.p or not len(self._t2)) else self._t2
+        return t1 if t1._live and (self._t1_tokens > self.p or not self._t2._live) else self._t2
 
     def pop(self) -> int:
         side = self._side()
@@ -476,7 +462,7 @@ class ARCRank(BlockRank):
         return self._t1_tokens
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return self._t1._live + self._t2._live
 
     def __contains__(self, block_id: object) -> bool:
         return block_id in self._t1 or block_id in self._t2
@@ -556,7 +542,9 @@ class PolicyRank(BlockRank):
 
 
 def _keyed_class(kind: str, protected_hits: int) -> tuple[int, int]:
-    return (protected_hits, protected_hits) if kind == "slru" else _KEYED_CLASSES[kind]
+    """``(cap, div)`` of a keyed rank's class ``min(hits, cap) // div``."""
+    caps = {"lru": (0, 1), "lfu": (1 << 62, 1), "slru": (protected_hits, protected_hits)}
+    return caps[kind]
 
 
 def keyed_rank(table: BlockTable, kind: str, protected_hits: int = 1) -> BlockRank:
@@ -566,7 +554,7 @@ def keyed_rank(table: BlockTable, kind: str, protected_hits: int = 1) -> BlockRa
     if native is None:
         return KeyedRank(table, kind, protected_hits)
     cap, div = _keyed_class(kind, protected_hits)
-    rank: BlockRank = native(len(table.last), table.last, table.hits, cap, div)
+    rank: BlockRank = native(table.last, table.hits, cap, div)
     return rank
 
 

@@ -322,8 +322,8 @@ class PolicyFreeBlockQueue(FreeKVCacheBlockQueue):  # type: ignore[misc]
                 hits[block.block_id] += 1
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """vLLM's ``BlockPool.touch`` and :meth:`on_hits` in one loop (vLLM's loop, line for
-        line, with its ``remove`` inlined): take the free ones out of the list, add a
+        """vLLM's ``BlockPool.touch`` and :meth:`on_hits` in one pass
+        (:func:`kvplug.speedups.free_list_touch`): take the free ones out of the list, add a
         reference, count a hit on the cached ones. For pools without a metrics collector."""
         unlinked, bad = speedups.free_list_touch(
             blocks, self._tracked, self._num_children, self._table.hits, self._rank.discard

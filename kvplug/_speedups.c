@@ -705,6 +705,87 @@ static PyObject *check_token_ids(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyBool_FromLong(exact);
 }
 
+/* pack_int64(ids, start, stop) -> bytes: ids[start:stop] as int64s in machine byte order, what
+ * array('q', ids[start:stop]).tobytes() gives (the bytes kvplug's page digests and page
+ * checksums cover), without building the array: tuples and lists element by element, 1-D int64
+ * buffers (array('q')) by one copy, anything else through its slice. start and stop clamp as a
+ * slice's do; the same TypeError / OverflowError as the array for a bad element. */
+static int pack_items(PyObject *seq, Py_ssize_t start, Py_ssize_t stop, char *out) {
+    for (Py_ssize_t i = start; i < stop; i++) {
+        if (i >= PySequence_Fast_GET_SIZE(seq)) {  /* an __index__ shrank a list */
+            PyErr_SetString(PyExc_RuntimeError, "pack_int64: the sequence changed size");
+            return -1;
+        }
+        PyObject *v = PySequence_Fast_GET_ITEM(seq, i);
+        long long x;
+        int overflow = 0;
+        if (PyLong_CheckExact(v)) {
+            x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        } else {
+            Py_INCREF(v);
+            PyObject *index = PyNumber_Index(v);
+            Py_DECREF(v);
+            if (index == NULL) return -1;
+            x = PyLong_AsLongLongAndOverflow(index, &overflow);
+            Py_DECREF(index);
+        }
+        if (overflow) {
+            PyErr_SetString(PyExc_OverflowError, "int too big to convert");  /* array's words */
+            return -1;
+        }
+        if (x == -1 && PyErr_Occurred()) return -1;
+        memcpy(out + 8 * (i - start), &x, 8);
+    }
+    return 0;
+}
+
+static PyObject *pack_int64(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ids, *out = NULL;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "Onn:pack_int64", &ids, &start, &stop)) return NULL;
+    if (start < 0 || stop < 0) {
+        PyErr_SetString(PyExc_ValueError, "pack_int64: start and stop must be >= 0");
+        return NULL;
+    }
+    if (PyTuple_Check(ids) || PyList_Check(ids)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
+        if (stop > n) stop = n;
+        if (start > stop) start = stop;
+        out = PyBytes_FromStringAndSize(NULL, 8 * (stop - start));
+        if (out != NULL && pack_items(ids, start, stop, PyBytes_AS_STRING(out)) < 0) Py_CLEAR(out);
+        return out;
+    }
+    if (PyObject_CheckBuffer(ids)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(ids, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+            const char *f = view.format ? view.format : "B";
+            if (f[0] == '@' || f[0] == '=') f++;
+            if (view.ndim == 1 && view.itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0)) {
+                Py_ssize_t n = view.len / 8;
+                if (stop > n) stop = n;
+                if (start > stop) start = stop;
+                out = PyBytes_FromStringAndSize((const char *)view.buf + 8 * start,
+                                                8 * (stop - start));
+                PyBuffer_Release(&view);
+                return out;
+            }
+            PyBuffer_Release(&view);
+        } else {
+            PyErr_Clear();
+        }
+    }
+    PyObject *part = PySequence_GetSlice(ids, start, stop);
+    if (part == NULL) return NULL;
+    PyObject *seq = PySequence_Fast(part, "pack_int64 takes a sequence of ints");
+    Py_DECREF(part);
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    out = PyBytes_FromStringAndSize(NULL, 8 * n);
+    if (out != NULL && pack_items(seq, 0, n, PyBytes_AS_STRING(out)) < 0) Py_CLEAR(out);
+    Py_DECREF(seq);
+    return out;
+}
+
 /* common_prefix(a, b, n): the length of the common prefix of a[:n] and b[:n], two 1-D int64
  * buffers at least n long (SGLang's token arrays); one pass, no token boxed. */
 static PyObject *common_prefix(PyObject *Py_UNUSED(self), PyObject *args) {
@@ -2210,6 +2291,7 @@ static PyMethodDef methods[] = {
     {"check_token_ids", check_token_ids, METH_VARARGS, "Every token id an int that fits in int64."},
     {"common_prefix", common_prefix, METH_VARARGS, "The common prefix length of two int64 arrays."},
     {"sha256_chain", sha256_chain, METH_VARARGS, "Chained SHA-256 page digests of a buffer."},
+    {"pack_int64", pack_int64, METH_VARARGS, "ids[start:stop] as int64 bytes, array('q')'s."},
     {"free_list_append", (PyCFunction)(void (*)(void))free_list_append, METH_FASTCALL,
      "Append blocks to a policy free list (see kvplug.speedups)."},
     {"free_list_popleft", (PyCFunction)(void (*)(void))free_list_popleft, METH_FASTCALL,

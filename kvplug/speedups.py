@@ -36,6 +36,7 @@ __all__ = [
     "lock_path",
     "native_enabled",
     "native_type",
+    "pack_int64",
     "release_slots",
     "sha256_chain",
     "stamp_hits",
@@ -311,6 +312,16 @@ def _int64_view(buffer: Any, wrong: str) -> memoryview:
     return view
 
 
+def pack_int64(ids: Any, start: int, stop: int) -> bytes:
+    """``ids[start:stop]`` (token ids: a tuple, a list, an ``array('q')``) as int64s in machine
+    byte order: the bytes page digests and page checksums cover. ``array`` takes about 27 ns an
+    element from a tuple (14 µs for a 512-token page); the compiled version reads the ints
+    directly."""
+    if start < 0 or stop < 0:
+        raise ValueError("pack_int64: start and stop must be >= 0")
+    return array("q", ids[start:stop]).tobytes()
+
+
 def sha256_chain(parent: bytes, data: bytes, start: int, count: int, size: int) -> list[bytes]:
     """The SHA-256 digests of pages ``start`` to ``start + count - 1`` of ``data`` (``size``
     bytes each), each of the previous digest followed by the page's bytes, the first chained
@@ -477,6 +488,7 @@ _PYTHON = {
     "check_token_ids": check_token_ids,
     "common_prefix": common_prefix,
     "sha256_chain": sha256_chain,
+    "pack_int64": pack_int64,
     "free_list_append": free_list_append,
     "free_list_popleft": free_list_popleft,
     "free_list_touch": free_list_touch,

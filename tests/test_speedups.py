@@ -849,3 +849,64 @@ def test_sha256_chain_agrees_on_random_input(parent, data, size, start, count):
     expected = _hashlib_chain(parent, data, start, count, size)
     assert run("python", "sha256_chain", parent, data, start, count, size) == expected
     assert run("native", "sha256_chain", parent, data, start, count, size) == expected
+
+
+class _Index:
+    """Not an int, but has ``__index__`` (numpy's integers are like it): array('q') takes it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_pack_int64_gives_the_arrays_bytes_for_every_kind_of_token_sequence(kernel):
+    """Tuples and lists element by element, int64 buffers by a copy, anything else by its
+    slice; start and stop clamp as a slice's do."""
+    ids = (0, 1, -1, 2**63 - 1, -(2**63), 50_000, 7)
+    expected = array("q", ids).tobytes()
+    for seq in (ids, list(ids), array("q", ids), np.array(ids, dtype=np.int64), ids[:]):
+        assert run(kernel, "pack_int64", seq, 0, len(ids)) == expected
+        assert run(kernel, "pack_int64", seq, 2, 5) == expected[16:40]
+        assert run(kernel, "pack_int64", seq, 3, 100) == expected[24:]
+        assert run(kernel, "pack_int64", seq, 6, 2) == b""
+    assert run(kernel, "pack_int64", range(3, 9), 1, 4) == array("q", [4, 5, 6]).tobytes()
+    assert run(kernel, "pack_int64", (True, _Index(9)), 0, 2) == array("q", [1, 9]).tobytes()
+    assert run(kernel, "pack_int64", np.array([5, 6], dtype=np.int32), 0, 2) == (
+        array("q", [5, 6]).tobytes()
+    )
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_pack_int64_refuses_what_the_array_refuses_with_its_words(kernel):
+    assert outcome(kernel, "pack_int64", (1, "a"), 0, 2) == (
+        "TypeError",
+        "'str' object cannot be interpreted as an integer",
+    )
+    assert outcome(kernel, "pack_int64", [1, 2.0], 0, 2) == (
+        "TypeError",
+        "'float' object cannot be interpreted as an integer",
+    )
+    with pytest.raises(OverflowError, match="int too big to convert"):
+        run(kernel, "pack_int64", (1, 2**63), 0, 2)
+    with pytest.raises(OverflowError, match="int too big to convert"):
+        run(kernel, "pack_int64", [-(2**63) - 1], 0, 1)
+    assert run(kernel, "pack_int64", (1, "a"), 0, 1) == array("q", [1]).tobytes()  # not read
+    wrong = ("ValueError", "pack_int64: start and stop must be >= 0")
+    assert outcome(kernel, "pack_int64", (1, 2), -1, 2) == wrong
+    assert outcome(kernel, "pack_int64", (1, 2), 0, -2) == wrong
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=80),
+    start=st.integers(0, 90),
+    stop=st.integers(0, 90),
+)
+def test_pack_int64_compiled_equals_the_reference(ids, start, stop):
+    expected = array("q", ids[start:stop]).tobytes()
+    for kernel in KERNELS:
+        for seq in (tuple(ids), ids, array("q", ids)):
+            assert run(kernel, "pack_int64", seq, start, stop) == expected

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import pickle
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -83,26 +82,27 @@ def iter_chain(
     """Yield the digests of the first ``num_pages`` pages of ``ids``, chained from ``parent``
     (the seed, or the digest of the page before ``ids[0]``). Lazy: a lookup can stop early.
 
-    The tokens are packed once in C (``array``). SHA-256 of small pages chains in runs of
+    The tokens are packed as they are hashed (``kvplug.speedups.pack_int64``), so a lookup
+    that stops early packs no more than it hashed. SHA-256 of small pages chains in runs of
     pages (1, then 8, 64, ... at a time) through ``kvplug.speedups.sha256_chain`` (compiled: no
     Python per page); larger pages, and other hash functions, take one hashlib call per page.
     """
     size = 8 * page_size
-    data = array("q", ids[: num_pages * page_size]).tobytes()
     digest = parent
+    pack = speedups.pack_int64
     if hasher is hashlib.sha256 and size <= _COMPILED_PAGE_BYTES:
         start, batch = 0, 1
         while start < num_pages:
-            digests = speedups.sha256_chain(
-                digest, data, start, min(batch, num_pages - start), size
-            )
+            count = min(batch, num_pages - start)
+            data = pack(ids, start * page_size, (start + count) * page_size)
+            digests = speedups.sha256_chain(digest, data, 0, count, size)
             yield from digests
             digest = digests[-1]
-            start += len(digests)
+            start += count
             batch *= 8
         return
-    for start in range(0, num_pages * size, size):
-        digest = hasher(digest + data[start : start + size]).digest()
+    for start in range(0, num_pages * page_size, page_size):
+        digest = hasher(digest + pack(ids, start, start + page_size)).digest()
         yield digest
 
 

@@ -29,6 +29,8 @@ import torch
 
 from kvplug_hookspecs import PAGE_FORMAT_VERSION, PageData
 
+from .. import speedups
+
 __all__ = ["CorruptPageError", "check_page", "decode_page", "encode_page", "page_checksum"]
 
 _MAGIC = b"KVPG"
@@ -82,7 +84,7 @@ def page_checksum(namespace_id: str, page: PageData) -> int:
         (
             page.key,
             page.parent or b"",
-            array("q", page.token_ids).tobytes(),
+            speedups.pack_int64(page.token_ids, 0, len(page.token_ids)),
             _NO_KV if kv is None else struct.pack("<5I", *_shape(kv)) + _dtype_name(kv),
         )
     )
@@ -103,7 +105,7 @@ def encode_page(namespace_id: str, page: PageData) -> bytes:
         len(dtype),
         *_shape(page.kv),
     )
-    tokens = array("q", page.token_ids).tobytes()
+    tokens = speedups.pack_int64(page.token_ids, 0, len(page.token_ids))
     kv = cast(bytes, _kv_bytes(page.kv))  # an array over the KV: a buffer join takes
     body = b"".join((head, ns, page.key, parent, dtype, tokens, kv))
     return body + _CRC.pack(page_checksum(namespace_id, page))

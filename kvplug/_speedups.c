@@ -813,6 +813,31 @@ static PyObject *common_prefix(PyObject *Py_UNUSED(self), PyObject *args) {
     return PyLong_FromSsize_t(i);
 }
 
+/* common_items(a, i, b, j, n): how many of a[i:i+n] equal b[j:j+n] from the start, a and b two
+ * tuples (token ids: a radix node's key, a request's): a pointer compare per item (the slices of
+ * one key share its int objects), a value compare only where the pointers differ. */
+static PyObject *common_items(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *a, *b;
+    Py_ssize_t i, j, n, k = 0;
+    if (!PyArg_ParseTuple(args, "OnOnn:common_items", &a, &i, &b, &j, &n)) return NULL;
+    if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b)) {
+        PyErr_SetString(PyExc_TypeError, "common_items: a and b must be tuples");
+        return NULL;
+    }
+    if (i < 0 || j < 0 || n < 0 || n > PyTuple_GET_SIZE(a) - i || n > PyTuple_GET_SIZE(b) - j) {
+        PyErr_SetString(PyExc_ValueError, "common_items: the ranges must be within both tuples");
+        return NULL;
+    }
+    PyObject *const *x = &PyTuple_GET_ITEM(a, i), *const *y = &PyTuple_GET_ITEM(b, j);
+    for (; k < n; k++) {
+        if (x[k] == y[k]) continue;
+        int eq = PyObject_RichCompareBool(x[k], y[k], Py_EQ);
+        if (eq < 0) return NULL;
+        if (!eq) break;
+    }
+    return PyLong_FromSsize_t(k);
+}
+
 /* -- page digests ------------------------------------------------------------------------------ */
 
 /* SHA-256 (FIPS 180-4), for the chained page digests of kvplug.caches.block_hashing: digest i is
@@ -2291,6 +2316,7 @@ static PyMethodDef methods[] = {
     {"check_token_ids", check_token_ids, METH_VARARGS, "Every token id an int that fits in int64."},
     {"common_prefix", common_prefix, METH_VARARGS, "The common prefix length of two int64 arrays."},
     {"sha256_chain", sha256_chain, METH_VARARGS, "Chained SHA-256 page digests of a buffer."},
+    {"common_items", common_items, METH_VARARGS, "The common leading items of two tuple ranges."},
     {"pack_int64", pack_int64, METH_VARARGS, "ids[start:stop] as int64 bytes, array('q')'s."},
     {"free_list_append", (PyCFunction)(void (*)(void))free_list_append, METH_FASTCALL,
      "Append blocks to a policy free list (see kvplug.speedups)."},

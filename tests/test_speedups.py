@@ -910,3 +910,22 @@ def test_pack_int64_compiled_equals_the_reference(ids, start, stop):
     for kernel in KERNELS:
         for seq in (tuple(ids), ids, array("q", ids)):
             assert run(kernel, "pack_int64", seq, start, stop) == expected
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_common_items_counts_the_equal_leading_items_of_two_tuple_ranges(kernel):
+    a, b = tuple(range(100)), tuple(range(100))  # equal values, different int objects past 256
+    assert run(kernel, "common_items", a, 0, b, 0, 100) == 100
+    assert run(kernel, "common_items", a, 10, b, 10, 50) == 50
+    c = a[:37] + (-1,) + a[38:]
+    assert run(kernel, "common_items", a, 0, c, 0, 100) == 37
+    assert run(kernel, "common_items", a, 5, c, 5, 90) == 32
+    assert run(kernel, "common_items", a, 1, a, 0, 5) == 0
+    assert run(kernel, "common_items", a, 0, b, 0, 0) == 0
+    wrong = ("ValueError", "common_items: the ranges must be within both tuples")
+    assert outcome(kernel, "common_items", a, 90, b, 0, 20) == wrong
+    assert outcome(kernel, "common_items", a, -1, b, 0, 1) == wrong
+    assert outcome(kernel, "common_items", list(a), 0, b, 0, 1) == (
+        "TypeError",
+        "common_items: a and b must be tuples",
+    )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
+from .. import speedups
+
 __all__ = ["child_key", "common_len", "descendants"]
 
 
@@ -46,17 +48,10 @@ def common_len(
 ) -> int:
     """How many tokens of ``node_key`` equal ``ids[pos:end]``, in whole pages.
 
-    The first page is known to match (it is the child key). Slices compare in C; a mismatch is
-    located by bisection over pages, so no Python loop runs per token.
+    The first page is known to match (it is the child key). One ``speedups.common_items``: no
+    slice is built, and compiled it compares pointers (a request's tokens that came from this
+    cache's keys are the same int objects).
     """
     n = min(len(node_key), end - pos)
-    if ids[pos : pos + n] == node_key[:n]:
-        return n
-    lo, hi = 1, n // page_size  # lo pages are equal, hi pages are not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ids[pos : pos + mid * page_size] == node_key[: mid * page_size]:
-            lo = mid
-        else:
-            hi = mid
-    return lo * page_size
+    same = speedups.common_items(ids, pos, node_key, 0, n)
+    return n if same == n else same - same % page_size

@@ -18,6 +18,7 @@ import torch
 
 from kvplug_hookspecs import CacheEvents, PrefixRemoved, PrefixStored
 
+from .. import speedups
 from ..errors import PolicyError
 from ..eviction import evict_from_tree_cache
 from .block_hashing import BlockHasher, event_hash
@@ -80,7 +81,11 @@ class RunHasher:
         count = len(key) // page
         memo = (start, key[:page])  # siblings under one parent start with other tokens
         last = self._last.get(memo)
-        if last is not None and len(last[0]) >= len(key) and last[0][: len(key)] == key:
+        if (
+            last is not None
+            and len(last[0]) >= len(key)
+            and speedups.common_items(last[0], 0, key, 0, len(key)) == len(key)
+        ):
             return last[1][:count]
         seed = self.hasher.root(extra_key) if start is None else start
         digests = list(self.hasher.chain(seed, key, page, count, extra_key))

@@ -280,42 +280,36 @@ def check_token_ids(ids: tuple[int, ...], known: tuple[int, ...] | None = None) 
 
 def common_prefix(a: Any, b: Any, n: int) -> int:
     """The length of the common prefix of ``a[:n]`` and ``b[:n]``, two 1-D int64 buffers (e.g.
-    SGLang's ``array('q')`` of a request's tokens) at least ``n`` long. Here by galloping windows
-    and bisection: O(log n) C-level slice compares, no Python loop per token."""
+    SGLang's ``array('q')`` of a request's tokens) at least ``n`` long (see ``_equal_run``)."""
     wrong = "common_prefix: a and b must be 1-D int64 buffers"
     x, y = _int64_view(a, wrong), _int64_view(b, wrong)
     if n < 0 or n > len(x) or n > len(y):
         raise ValueError("common_prefix: n must be within both buffers")
-    lo, step = 0, 16
-    while lo < n:
-        hi = min(lo + step, n)
-        if x[lo:hi] != y[lo:hi]:
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if x[lo:mid] == y[lo:mid]:
-                    lo = mid
-                else:
-                    hi = mid
-            return lo
-        lo, step = hi, step * 2
-    return n
+    return _equal_run(x, 0, y, 0, n)
 
 
 def common_items(a: tuple[Any, ...], i: int, b: tuple[Any, ...], j: int, n: int) -> int:
     """How many of ``a[i:i+n]`` equal ``b[j:j+n]`` from the start, ``a`` and ``b`` tuples (a
-    radix node's key and a request's tokens). Here by galloping windows and bisection: O(log n)
-    C-level slice compares; compiled, one pointer compare per item."""
+    radix node's key and a request's tokens). Here by ``_equal_run``; compiled, one pointer
+    compare per item."""
     if not (type(a) is tuple and type(b) is tuple):
         raise TypeError("common_items: a and b must be tuples")
     if i < 0 or j < 0 or n < 0 or n > len(a) - i or n > len(b) - j:
         raise ValueError("common_items: the ranges must be within both tuples")
+    return _equal_run(a, i, b, j, n)
+
+
+def _equal_run(x: Any, i: int, y: Any, j: int, n: int) -> int:
+    """How many of ``x[i:i+n]`` equal ``y[j:j+n]`` from the start (both sliceable, the ranges
+    checked): galloping windows, then bisection inside the first unequal one, so O(log n)
+    C-level slice compares and no Python loop per item."""
     lo, step = 0, 16
     while lo < n:
         hi = min(lo + step, n)
-        if a[i + lo : i + hi] != b[j + lo : j + hi]:
+        if x[i + lo : i + hi] != y[j + lo : j + hi]:
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                if a[i + lo : i + mid] == b[j + lo : j + mid]:
+                if x[i + lo : i + mid] == y[j + lo : j + mid]:
                     lo = mid
                 else:
                     hi = mid

@@ -76,15 +76,20 @@ def _namespace_crc(namespace_id: str) -> int:
     return crc
 
 
-def page_checksum(namespace_id: str, page: PageData) -> int:
+def _token_bytes(page: PageData) -> bytes:
+    return speedups.pack_int64(page.token_ids, 0, len(page.token_ids))
+
+
+def page_checksum(namespace_id: str, page: PageData, tokens: bytes | None = None) -> int:
     """CRC-32C of everything a page is: see the module docstring (one pass over the header
-    fields, then the KV bytes: the CRC streams, so this equals a CRC of their concatenation)."""
+    fields, then the KV bytes: the CRC streams, so this equals a CRC of their concatenation).
+    ``tokens``: the page's token ids as int64 bytes when the caller packed them already."""
     kv = page.kv
     head = b"".join(
         (
             page.key,
             page.parent or b"",
-            speedups.pack_int64(page.token_ids, 0, len(page.token_ids)),
+            _token_bytes(page) if tokens is None else tokens,
             _NO_KV if kv is None else struct.pack("<5I", *_shape(kv)) + _dtype_name(kv),
         )
     )
@@ -105,10 +110,10 @@ def encode_page(namespace_id: str, page: PageData) -> bytes:
         len(dtype),
         *_shape(page.kv),
     )
-    tokens = speedups.pack_int64(page.token_ids, 0, len(page.token_ids))
+    tokens = _token_bytes(page)
     kv = cast(bytes, _kv_bytes(page.kv))  # an array over the KV: a buffer join takes
     body = b"".join((head, ns, page.key, parent, dtype, tokens, kv))
-    return body + _CRC.pack(page_checksum(namespace_id, page))
+    return body + _CRC.pack(page_checksum(namespace_id, page, tokens))
 
 
 def decode_page(namespace_id: str, data: bytes | memoryview) -> PageData:

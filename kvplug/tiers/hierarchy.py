@@ -4,9 +4,11 @@
 not have to think about:
 
 * **Demotion off the engine's path.** ``demote`` copies the pages' KV out of the pool on the
-  caller's thread (one gather; the slots may be freed right after) and queues the copy; a
-  background worker moves it to the host, checksums every page and stores it in the first
-  working tier. A full queue drops the demotion and counts it: the engine never waits.
+  caller's thread (one gather; the slots may be freed right after) and posts the copy; a
+  background worker takes what was posted in batches (:class:`~kvplug.tiers.mailbox.Mailbox`:
+  a post wakes it only when it sleeps), moves it to the host, checksums every page and stores
+  the batch in the first working tier. A full queue drops the demotion and counts it: the
+  engine never waits.
 * **Cascades.** A tier whose bound pushes pages out (``host``) hands them to the next tier; while
   that write runs, the pages stay visible as the upper tier's (a page being written below is not
   dropped from the tier above).
@@ -34,7 +36,6 @@ import atexit
 import contextlib
 import functools
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -48,6 +49,7 @@ import torch
 
 from kvplug_hookspecs import PageData, StorageConfig, StorageTier, TierNamespace
 
+from .mailbox import Mailbox
 from .pages import CorruptPageError, check_page, page_checksum
 
 __all__ = ["HierarchyStats", "PageRun", "TierEvent", "TierHierarchy"]
@@ -194,7 +196,7 @@ class TierHierarchy:
         self._lock = threading.Lock()
         self._observed = observed
         self._events: deque[TierEvent] = deque()
-        self._queue: queue.Queue[_Job | _Prefetch | None] | None = None
+        self._queue: Mailbox[_Job | _Prefetch | None] | None = None
         self._step = config.handoff == "step"
         self._held: list[_Job | _Prefetch] = []  # handoff "step": this step's, not yet queued
         self._queued_pages = 0  # pages demoted and not yet stored (<= config.queue_pages)
@@ -212,7 +214,7 @@ class TierHierarchy:
         else:
             self._kv_shape = self._kv_dtype = None
         if config.background:
-            self._queue = queue.Queue()  # bounded in pages by _queued_pages, not in jobs
+            self._queue = Mailbox()  # bounded in pages by _queued_pages, not in jobs
             self._worker = threading.Thread(
                 target=self._run, name="kvplug-tier-demotion", daemon=True
             )
@@ -514,11 +516,11 @@ class TierHierarchy:
             kv = self._pool.read_pages(slots, self.page_size) if self._pool is not None else None
             job = _Job(num_pages, pages, kv)
             if self._queue is None:
-                self._store(job)
+                self._store([job])
             elif self._step:
                 self._held.append(job)
             else:
-                self._queue.put_nowait(job)
+                self._queue.post(job)
         except Exception:  # a pool copy that failed: the pages are recomputed later
             log.exception("storage hierarchy: demotion of %d pages failed", num_pages)
             self.stats.dropped_pages += num_pages
@@ -538,8 +540,7 @@ class TierHierarchy:
         while the device computes rather than contending with the scheduler for the GIL.
         Otherwise nothing to do. The engine's thread only."""
         if self._held and self._queue is not None:
-            for job in self._held:
-                self._queue.put_nowait(job)
+            self._queue.post_all(self._held)
             self._held.clear()
 
     def _reserve(self, pages: int) -> bool:
@@ -572,7 +573,7 @@ class TierHierarchy:
         if self._step:
             self._held.append(job)
         else:
-            self._queue.put_nowait(job)  # unbounded queue (bounded in pages above): never raises
+            self._queue.post(job)  # unbounded (bounded in pages above): never raises
         return pages
 
     def _top(self) -> int | None:
@@ -624,18 +625,24 @@ class TierHierarchy:
             p.checksum = page_checksum(self.namespace_id, p)
         return pages
 
-    def _store(self, job: _Job) -> None:
-        """Store one demotion in the first tier in use, cascading what each tier pushes out."""
-        try:
-            pages = self._pages_of(job)
-        except Exception:
-            log.exception("storage hierarchy: copying %d pages to the host failed", job.num_pages)
-            self.stats.dropped_pages += job.num_pages
+    def _store(self, jobs: list[_Job]) -> None:
+        """Store demotions in the first tier in use, cascading what each tier pushes out: the
+        jobs a worker batch took in a row go down as one run of pages (one ``put`` per tier)."""
+        pages: list[PageData] = []
+        for job in jobs:
+            try:
+                pages.extend(self._pages_of(job))
+            except Exception:
+                log.exception(
+                    "storage hierarchy: copying %d pages to the host failed", job.num_pages
+                )
+                self.stats.dropped_pages += job.num_pages
+        if not pages:
             return
         if self._place(pages, 0, DEVICE_MEDIUM):
             self.stats.demoted_pages += len(pages)
         else:
-            self.stats.dropped_pages += job.num_pages
+            self.stats.dropped_pages += len(pages)
 
     def _place(self, pages: list[PageData], first: int, source: str) -> bool:
         """Store ``pages`` (coming from ``source``) in the first tier in use from ``first`` on,
@@ -692,23 +699,37 @@ class TierHierarchy:
         return out
 
     def _run(self) -> None:
+        """The worker: take what was posted since its last batch and run it in order (the
+        demotions in a row between prefetches stored together), until ``close`` posts
+        ``None``."""
         assert self._queue is not None
         while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                if isinstance(job, _Prefetch):
-                    self._promote(job)
-                else:
-                    self._store(job)
-            except Exception:  # the worker outlives any one job
-                log.exception("storage hierarchy: a background job failed")
-            finally:
+            jobs = self._queue.take()
+            demotions: list[_Job] = []
+            for job in [*jobs, None]:  # the None flushes the last demotions
+                if isinstance(job, _Job):
+                    demotions.append(job)
+                    continue
+                if demotions:
+                    self._guarded(self._store, demotions)
+                    demotions = []
                 if job is not None:
-                    with self._lock:
-                        self._queued_pages -= _job_pages(job)
-                self._queue.task_done()
+                    self._guarded(self._promote, job)
+            self._queue.done(len(jobs))
+            if any(job is None for job in jobs):
+                return
+
+    def _guarded(self, run: Callable[[Any], None], work: _Prefetch | list[_Job]) -> None:
+        """Run one of the worker's jobs (the worker outlives any one), then release its pages
+        from the queue's bound."""
+        try:
+            run(work)
+        except Exception:
+            log.exception("storage hierarchy: a background job failed")
+        finally:
+            pages = sum(map(_job_pages, work)) if isinstance(work, list) else _job_pages(work)
+            with self._lock:
+                self._queued_pages -= pages
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -737,7 +758,8 @@ class TierHierarchy:
         _WITH_WORKERS.discard(self)
         if self._queue is not None and self._worker is not None:
             self.end_step()
-            self._queue.put(None)
+            self._queue.post(None)
+            self._queue.join()  # hurries a polling worker to the None
             self._worker.join()
         for tier in self.tiers:
             with contextlib.suppress(Exception):

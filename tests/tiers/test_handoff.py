@@ -244,3 +244,33 @@ def test_a_run_hasher_hashes_a_repeatedly_cut_head_once() -> None:
     other = (7, *key[1:16])  # a sibling from the same start: hashed on its own
     assert runs.digests(None, other, 4, None) == list(plain.chain(start, other, 4, 4))
     assert calls == [8, 4]
+
+
+class CountingTier(HostTier):
+    """A host tier that records the pages of every ``put``."""
+
+    def __init__(self) -> None:
+        super().__init__(tier_context(), HostTierOptions(capacity_tokens=1024))
+        self.puts: list[list[bytes]] = []
+
+    def put(self, pages):  # type: ignore[no-untyped-def]
+        self.puts.append([p.key for p in pages])
+        return super().put(pages)
+
+
+def test_a_batch_of_demotions_reaches_the_tier_as_one_put_in_order() -> None:
+    """The demotions a step hands over are taken as one batch and stored with one ``put``
+    (pages in demotion order); a prefetch between them keeps its place."""
+    host = CountingTier()
+    h = TierHierarchy(
+        [host], StorageConfig(handoff="step"), namespace(), pool=None, page_size=1,
+        kv_bytes_per_token=64,
+    )  # fmt: skip
+    first, second = pages(1, 3), pages(2, 2)
+    h.demote(*first, torch.arange(3))
+    h.demote(*second, torch.arange(2))
+    h.end_step()
+    h.flush()
+    assert host.puts == [first[0] + second[0]]
+    assert h.stats.demoted_pages == 5 and h.held_pages == 0
+    h.close()

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 def page_tokens(ids: Sequence[int], start: int, num_pages: int, page: int) -> list[tuple[int, ...]]:
     """The token ids of ``num_pages`` pages of ``ids`` from ``start``, one tuple a page."""
+    if page == 1:
+        return [(t,) for t in ids[start : start + num_pages]]
     return [tuple(ids[start + i * page : start + (i + 1) * page]) for i in range(num_pages)]
 
 

@@ -410,21 +410,13 @@ def compare_tiers(
             gc.enable()
         tiered.storage.flush()
         warm = requests // 10
-        totals = [
-            statistics.median(
-                sum(parts)
-                for parts in zip(t["match"][warm:], t["evict"][warm:], t["insert"][warm:])
-            )
-            / 1e3
+        per_request = [
+            [sum(parts) / 1e3 for parts in zip(t["match"], t["evict"], t["insert"])][warm:]
             for t in times
         ]
-        means = [
-            statistics.fmean(
-                sum(parts)
-                for parts in zip(t["match"][warm:], t["evict"][warm:], t["insert"][warm:])
-            )
-            for t in times
-        ]  # the mean sees what the median cannot: the worker's GIL slices, a few requests long
+        totals = [statistics.median(us) for us in per_request]
+        # the mean sees what the median cannot: the worker's GIL slices, a few requests long
+        means = [statistics.fmean(us) for us in per_request]
         assert not tiered.storage.stats.hit_tokens  # never hit, as intended
         medians = [{p: statistics.median(t[p][warm:]) / 1e3 for p in t} for t in times]
         added = "/".join(f"{medians[1][p] - medians[0][p]:+.0f}" for p in medians[0])

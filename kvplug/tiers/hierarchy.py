@@ -42,8 +42,8 @@ import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
-from itertools import islice
-from typing import Any, Literal
+from itertools import groupby, islice
+from typing import Any, Literal, cast
 
 import torch
 
@@ -705,16 +705,13 @@ class TierHierarchy:
         assert self._queue is not None
         while True:
             jobs = self._queue.take()
-            demotions: list[_Job] = []
-            for job in [*jobs, None]:  # the None flushes the last demotions
-                if isinstance(job, _Job):
-                    demotions.append(job)
-                    continue
+            for demotions, run in groupby(jobs, key=lambda job: isinstance(job, _Job)):
                 if demotions:
-                    self._guarded(self._store, demotions)
-                    demotions = []
-                if job is not None:
-                    self._guarded(self._promote, job)
+                    self._guarded(self._store, cast(list[_Job], list(run)))
+                    continue
+                for job in run:
+                    if isinstance(job, _Prefetch):
+                        self._guarded(self._promote, job)
             self._queue.done(len(jobs))
             if any(job is None for job in jobs):
                 return

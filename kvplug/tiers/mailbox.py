@@ -46,26 +46,19 @@ class Mailbox(Generic[T]):
         self.wakes = 0  # posts that had to wake the worker (for tests and benchmarks)
 
     def post(self, item: T) -> None:
-        with self._lock:
-            self._items.append(item)
-            self._unfinished += 1
-            asleep = self._asleep
-            if asleep:
-                self._asleep = False
-                self.wakes += 1
-        if asleep:
-            self._wake.set()
+        self.post_all((item,))
 
     def post_all(self, items: Iterable[T]) -> None:
         with self._lock:
             before = len(self._items)
             self._items.extend(items)
-            self._unfinished += len(self._items) - before
-            asleep = self._asleep and len(self._items) > before
-            if asleep:
+            added = len(self._items) - before
+            self._unfinished += added
+            wake = self._asleep and added > 0
+            if wake:
                 self._asleep = False
                 self.wakes += 1
-        if asleep:
+        if wake:
             self._wake.set()
 
     def take(self) -> list[T]:

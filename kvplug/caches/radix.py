@@ -607,38 +607,53 @@ class RadixCache(BuiltFromContext):
         to the storage tiers (write-back). Their digests are computed on the worker; only a
         linked parent's last digest is needed here (kept once computed)."""
         try:
-            hashes, root = self._hashes, self.root
+            hashes = self._hashes
             assert hashes is not None
-            nodes = [leaf for leaf, _ in removed]
-            if cut is not None:
-                nodes.append(cut[0])
-            index = {node: i for i, node in enumerate(nodes)}
-
-            def parent_of(parent: RadixNode | None) -> bytes | int | None:
-                if parent is root or parent is None:
-                    return None
-                i = index.get(parent)
-                return i if i is not None else hashes.digests(parent)[-1]
-
-            runs = [
-                ChainedRun(leaf.key, leaf.namespace, parent_of(parent), hashes.known(leaf))
-                for leaf, parent in removed
-            ]
-            if cut is not None:
-                leaf, key = cut[0], cut[1]
-                # its known digests are still those of its uncut key (forgotten after the free);
-                # unknown, the worker hashes the uncut key (its RunHasher remembers the head)
-                first = leaf.num_tokens // self.page_size
-                runs.append(
-                    ChainedRun(
-                        key, leaf.namespace, parent_of(leaf.parent), hashes.known(leaf), first
-                    )
-                )
+            if cut is None and len(removed) == 1:  # the common eviction: one whole leaf
+                leaf, parent = removed[0]
+                start = None if parent is self.root else hashes.digests(parent)[-1]
+                runs = [ChainedRun(leaf.key, leaf.namespace, start, hashes.known(leaf))]
+            else:
+                runs = self._chained_runs(hashes, removed, cut)
         except Exception:  # never fails the eviction: the pages are recomputed when needed
             log.exception("radix: demoting evicted pages failed")
             return
         assert self.storage is not None
         demote_runs(self.storage, self._run_hasher, runs, slots, self.page_size)
+
+    def _chained_runs(
+        self,
+        hashes: RadixBlockHashes,
+        removed: list[tuple[RadixNode, RadixNode]],
+        cut: tuple[RadixNode, tuple[int, ...], torch.Tensor, int] | None,
+    ) -> list[ChainedRun]:
+        """The runs of an eviction's unlinked leaves (a leaf's parent may be a later one) and
+        of the leaf it cut."""
+        root = self.root
+        nodes = [leaf for leaf, _ in removed]
+        if cut is not None:
+            nodes.append(cut[0])
+        index = {node: i for i, node in enumerate(nodes)}
+
+        def parent_of(parent: RadixNode | None) -> bytes | int | None:
+            if parent is root or parent is None:
+                return None
+            i = index.get(parent)
+            return i if i is not None else hashes.digests(parent)[-1]
+
+        runs = [
+            ChainedRun(leaf.key, leaf.namespace, parent_of(parent), hashes.known(leaf))
+            for leaf, parent in removed
+        ]
+        if cut is not None:
+            leaf, key = cut[0], cut[1]
+            # its known digests are still those of its uncut key (forgotten after the free);
+            # unknown, the worker hashes the uncut key (its RunHasher remembers the head)
+            first = leaf.num_tokens // self.page_size
+            runs.append(
+                ChainedRun(key, leaf.namespace, parent_of(leaf.parent), hashes.known(leaf), first)
+            )
+        return runs
 
     def touch_prefix(self, key: CacheKey | Sequence[int]) -> None:
         """Refresh the recency of ``key``'s cached path without counting a hit or a query
